@@ -1,0 +1,133 @@
+"""Stouffer combination of per-round differential scores, and the attribution report."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from scipy.stats import norm
+
+_LN10 = math.log(10.0)
+
+
+def stouffer(scores: Iterable[float]) -> float:
+    """``Z = sum_t z_t / sqrt(T)`` over the given scores (0.0 for none)."""
+    values = list(scores)
+    return sum(values) / math.sqrt(len(values)) if values else 0.0
+
+
+def upper_tail(z: float) -> tuple[float, float]:
+    """``(p, log10 p)`` with ``p = 1 - Phi(z)``, accurate far into the tail.
+
+    ``norm.sf`` is exact down to about 1e-300; ``log10 p`` (from ``norm.logsf``) stays finite
+    beyond that, where ``p`` itself underflows to 0.
+    """
+    return float(norm.sf(z)), float(norm.logsf(z) / _LN10)
+
+
+@dataclass
+class ClientAttribution:
+    """One client's attribution result."""
+
+    id: int
+    z: dict[int, float]
+    Z: float
+    p: float
+    log10_p: float
+    flagged: bool
+    watermarked: bool | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (round keys become strings, as JSON requires)."""
+        return {
+            "id": self.id,
+            "watermarked": self.watermarked,
+            "Z": self.Z,
+            "p": self.p,
+            "log10_p": self.log10_p,
+            "flagged": self.flagged,
+            "z": {str(t): v for t, v in sorted(self.z.items())},
+        }
+
+
+@dataclass
+class AttributionReport:
+    """Per-client per-round scores, Stouffer Z, p-values, flags and (with ground truth) TPR/FPR."""
+
+    gamma: float
+    clients: list[ClientAttribution] = field(default_factory=list)
+
+    @property
+    def flagged(self) -> list[int]:
+        """Ids of flagged clients."""
+        return [c.id for c in self.clients if c.flagged]
+
+    def _rate(self, truth: bool) -> float | None:
+        group = [c for c in self.clients if c.watermarked is truth]
+        return sum(c.flagged for c in group) / len(group) if group else None
+
+    @property
+    def tpr(self) -> float | None:
+        """Share of watermarked clients flagged (``None`` without watermarked clients)."""
+        return self._rate(True)
+
+    @property
+    def fpr(self) -> float | None:
+        """Share of clean clients flagged (``None`` without clean clients)."""
+        return self._rate(False)
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {
+            "gamma": self.gamma,
+            "tpr": self.tpr,
+            "fpr": self.fpr,
+            "flagged": self.flagged,
+            "clients": [c.to_dict() for c in self.clients],
+        }
+
+    def to_markdown(self) -> str:
+        """A Markdown table: one row per client, one column per round."""
+        rounds = sorted({t for c in self.clients for t in c.z})
+        head = ["client", "watermarked", *[f"z (t={t})" for t in rounds], "Z", "p", "flagged"]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for c in self.clients:
+            truth = "?" if c.watermarked is None else ("yes" if c.watermarked else "no")
+            zs = [f"{c.z[t]:+.2f}" if t in c.z else "–" for t in rounds]
+            p = f"{c.p:.2e}" if c.p > 0 else f"1e{c.log10_p:.0f}"
+            row = [str(c.id), truth, *zs, f"{c.Z:+.2f}", p, "**yes**" if c.flagged else "no"]
+            lines.append("| " + " | ".join(row) + " |")
+        tpr, fpr = self.tpr, self.fpr
+        fmt = lambda r: "n/a" if r is None else f"{100 * r:.1f}%"  # noqa: E731
+        lines.append("")
+        lines.append(f"γ = {self.gamma}; TPR = {fmt(tpr)}; FPR = {fmt(fpr)}")
+        return "\n".join(lines)
+
+
+def build_report(
+    scores: Mapping[int, Mapping[int, float]],
+    gamma: float,
+    truth: Mapping[int, bool] | None = None,
+) -> AttributionReport:
+    """Combine ``scores[client][round]`` per client with Stouffer and flag ``Z > gamma``.
+
+    Clients appear in id order; a client with no scored round gets ``Z = 0``.
+    """
+    report = AttributionReport(gamma=gamma)
+    for cid in sorted(scores):
+        z = dict(scores[cid])
+        Z = stouffer(z.values())
+        p, log10_p = upper_tail(Z)
+        report.clients.append(
+            ClientAttribution(
+                id=cid,
+                z=z,
+                Z=Z,
+                p=p,
+                log10_p=log10_p,
+                flagged=gamma < Z,
+                watermarked=None if truth is None else bool(truth.get(cid, False)),
+            )
+        )
+    return report

@@ -1,0 +1,145 @@
+"""Typed configuration: dataclasses loaded from JSON/TOML files and ``key=value`` overrides.
+
+Every section is a dataclass whose ``__post_init__`` validates its own values, so a bad value
+fails with a message naming the key before any work starts. Unknown keys are errors, not
+silently ignored, because a misspelt key would otherwise run a different experiment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that cannot be used."""
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table of settings, got {value!r}")
+        return from_dict(hint, value, prefix=f"{key}.")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(hint)[:1] or (Any,)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types are errors."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(
+            f"unknown setting {prefix}{unknown[0]}; allowed in this section: "
+            f"{', '.join(prefix + f for f in sorted(fields))}"
+        )
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """Plain-dict form of a config dataclass (for writing the resolved config)."""
+    return dataclasses.asdict(obj)
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides (values parsed as JSON, else taken as strings)."""
+    out = json.loads(json.dumps(data))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. attribution.M=5")
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {part} is a value, not a section")
+        node[parts[-1]] = _parse_scalar(raw.strip())
+    return out
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """Read a ``.json`` or ``.toml`` configuration file into a dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        if p.suffix == ".json":
+            data = json.loads(p.read_text())
+        elif p.suffix == ".toml":
+            data = tomllib.loads(p.read_text())
+        else:
+            raise ConfigError(f"config file {str(p)!r}: use a .json or .toml file")
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a table of settings")
+    return data
+
+
+def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Defaults of ``cls``, updated by the file at ``path`` and then by ``overrides``."""
+    data = read_file(path) if path is not None else {}
+    return from_dict(cls, apply_overrides(data, overrides or []))

@@ -1,0 +1,80 @@
+"""Secure-aggregation backends behind one interface (:class:`SecureAggregator`).
+
+``make_aggregator(SecAggConfig(...))`` builds a backend by name: ``plaintext`` (reference, holds
+updates), ``pairwise-mask`` (Bonawitz-style masks per query) or ``two-server`` (additive shares
+held by two non-colluding aggregators).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import QueryRecord, SecureAggregator
+from .errors import QueryRefused, SecAggError
+from .fixedpoint import FixedPointCodec
+from .pairwise_mask import PairwiseMaskAggregator
+from .plaintext import PlaintextAggregator
+from .prg import PRG_NAMES
+from .two_server import TwoServerAggregator
+
+BACKENDS: dict[str, type[SecureAggregator]] = {
+    cls.name: cls for cls in (PlaintextAggregator, PairwiseMaskAggregator, TwoServerAggregator)
+}
+
+
+@dataclass
+class SecAggConfig:
+    """Which backend to use and how updates are encoded."""
+
+    backend: str = "pairwise-mask"
+    """One of ``plaintext``, ``pairwise-mask``, ``two-server``."""
+    min_members: int = 5
+    """Secure-aggregation threshold N_sa: the smallest subset whose sum may be released."""
+    ring_bits: int = 64
+    """Ring Z_{2^b} for masked arithmetic: 32 or 64."""
+    frac_bits: int = 32
+    """Fixed-point fractional bits (resolution 2^-(frac_bits+1))."""
+    clip: float = 1024.0
+    """Largest allowed |coordinate| of an update; larger is an error, not a silent clip."""
+    prg: str = "aes-ctr"
+    """Mask generator: ``aes-ctr`` or ``chacha20``."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise SecAggError(
+                f"secagg.backend: unknown backend {self.backend!r}; allowed: {', '.join(BACKENDS)}"
+            )
+        if self.prg not in PRG_NAMES:
+            raise SecAggError(f"secagg.prg: unknown {self.prg!r}; allowed: {', '.join(PRG_NAMES)}")
+        if not isinstance(self.min_members, int) or self.min_members < 1:
+            raise SecAggError(
+                f"secagg.min_members: must be an integer >= 1, got {self.min_members!r}"
+            )
+        self.codec()  # validates ring_bits, frac_bits and clip together
+
+    def codec(self) -> FixedPointCodec:
+        """The fixed-point codec these settings describe."""
+        return FixedPointCodec(self.ring_bits, self.frac_bits, self.clip)
+
+
+def make_aggregator(config: SecAggConfig) -> SecureAggregator:
+    """Build the configured backend."""
+    cls = BACKENDS[config.backend]
+    if cls is PlaintextAggregator:
+        return cls(config.min_members, config.codec())
+    return cls(config.min_members, config.codec(), prg=config.prg)
+
+
+__all__ = [
+    "BACKENDS",
+    "FixedPointCodec",
+    "PairwiseMaskAggregator",
+    "PlaintextAggregator",
+    "QueryRecord",
+    "QueryRefused",
+    "SecAggConfig",
+    "SecAggError",
+    "SecureAggregator",
+    "TwoServerAggregator",
+    "make_aggregator",
+]

@@ -1,0 +1,105 @@
+"""Fixed-point encoding of real-valued updates into the ring Z_{2^b}.
+
+Cryptographic masking needs exact modular arithmetic, so updates are scaled by ``2**frac_bits``,
+rounded, and stored as unsigned ``b``-bit integers (two's complement for negatives). A sum of
+``m`` encoded values decodes correctly as long as its true magnitude stays below ``2**(b-1)``;
+the codec checks that bound instead of letting a sum silently wrap around.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import SecAggError
+
+_UNSIGNED = {32: np.uint32, 64: np.uint64}
+_SIGNED = {32: np.int32, 64: np.int64}
+
+
+@dataclass(frozen=True)
+class FixedPointCodec:
+    """Encode float vectors into ``Z_{2^ring_bits}`` with ``frac_bits`` fractional bits.
+
+    ``clip`` bounds every coordinate's magnitude; a coordinate above it is an error (not a
+    silent clip), since clipping would bias the FedAttr estimate without anyone noticing.
+    """
+
+    ring_bits: int = 64
+    frac_bits: int = 32
+    clip: float = 1024.0
+
+    def __post_init__(self) -> None:
+        if self.ring_bits not in _UNSIGNED:
+            raise SecAggError(f"ring_bits: must be 32 or 64, got {self.ring_bits}")
+        if not 0 <= self.frac_bits < self.ring_bits - 1:
+            raise SecAggError(
+                f"frac_bits: must be in 0..{self.ring_bits - 2} for ring_bits={self.ring_bits}, "
+                f"got {self.frac_bits}"
+            )
+        if not (np.isfinite(self.clip) and self.clip > 0):
+            raise SecAggError(f"clip: must be a finite positive number, got {self.clip}")
+        if self.clip * self.scale >= 2.0 ** (self.ring_bits - 1):
+            raise SecAggError(
+                f"clip={self.clip} with frac_bits={self.frac_bits} does not fit one value in a "
+                f"{self.ring_bits}-bit ring; lower clip or frac_bits"
+            )
+
+    @property
+    def scale(self) -> float:
+        """Multiplier from real values to ring integers."""
+        return float(2**self.frac_bits)
+
+    @property
+    def dtype(self) -> type[np.unsignedinteger]:
+        """NumPy dtype of ring elements (arithmetic wraps modulo ``2**ring_bits``)."""
+        return _UNSIGNED[self.ring_bits]
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per encoded coordinate."""
+        return self.ring_bits // 8
+
+    @property
+    def resolution(self) -> float:
+        """Worst-case rounding error of one encoded coordinate."""
+        return 0.5 / self.scale
+
+    def max_members(self, weight: float = 1.0) -> int:
+        """Largest number of values of magnitude ``<= clip * weight`` whose sum cannot wrap."""
+        return int((2.0 ** (self.ring_bits - 1) - 1) // (self.clip * abs(weight) * self.scale))
+
+    def check_capacity(self, members: int) -> None:
+        """Raise if a sum over ``members`` clipped values could overflow the ring."""
+        limit = self.max_members()
+        if members > limit:
+            raise SecAggError(
+                f"ring_bits={self.ring_bits}, frac_bits={self.frac_bits}, clip={self.clip} can sum "
+                f"at most {limit} clients without overflow, but {members} take part; lower "
+                f"frac_bits or clip, or use ring_bits=64"
+            )
+
+    def encode(self, values: np.ndarray, *, weight: float = 1.0) -> np.ndarray:
+        """Encode ``weight * values`` (float) into ring elements.
+
+        Raises :class:`SecAggError` for non-finite values or values above ``clip``.
+        """
+        values = np.asarray(values, dtype=np.float64)
+        if not np.all(np.isfinite(values)):
+            raise SecAggError("update: contains NaN or infinite values; refusing to encode")
+        peak = float(np.max(np.abs(values))) if values.size else 0.0
+        if peak > self.clip:
+            raise SecAggError(
+                f"update: a coordinate of magnitude {peak:.6g} exceeds the fixed-point clip bound "
+                f"{self.clip}; raise secagg.clip (allowed while clip * 2**frac_bits < "
+                f"2**{self.ring_bits - 1}) or scale the update"
+            )
+        scaled = np.rint(values * (weight * self.scale)).astype(np.int64)
+        # int64 -> uint64 is a reinterpretation; int64 -> uint32 wraps modulo 2**32 as wanted.
+        return scaled.view(np.uint64) if self.ring_bits == 64 else scaled.astype(np.uint32)
+
+    def decode(self, ring: np.ndarray) -> np.ndarray:
+        """Decode ring elements (a sum of encodings) back to float64."""
+        signed = ring.view(_SIGNED[self.ring_bits])
+        return signed.astype(np.float64) / self.scale

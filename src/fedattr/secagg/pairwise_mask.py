@@ -1,0 +1,156 @@
+"""Pairwise-mask secure aggregation (Bonawitz et al., CCS'17), run once per subset query.
+
+Each client holds an X25519 key pair per round; the server only relays public keys. For a query
+``(round, query_id, W)`` every member ``j`` of ``W`` uploads
+
+    y_j = enc(Delta_j) + sum_{k in W, k > j} PRG(s_jk) - sum_{k in W, k < j} PRG(s_jk)  (mod 2^b)
+
+where ``s_jk = HKDF(X25519(sk_j, pk_k), info=(round, query_id, j, k))``. Members add masks only
+for pairs inside ``W``, so the masks cancel exactly in ``sum_j y_j`` and the server learns
+``enc(S(W))`` and nothing else; a new query id gives fresh, unrelated masks, so two uploads of
+the same client can never be subtracted to strip its mask.
+
+Bonawitz's self-masks and Shamir shares exist to *recover* a sum when members drop out; here a
+member that does not answer makes the query fail and nothing is released, so plain pairwise
+masks suffice for a server that follows the protocol (the honest-but-curious model of FedAttr).
+
+The simulation keeps the two sides apart: :class:`PairwiseMaskServer` is everything the server
+holds (public keys and the masked uploads of the current query); :class:`MaskingClient` objects
+are the clients' machines, which alone hold their updates and private keys.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from .base import SecureAggregator
+from .errors import SecAggError
+from .fixedpoint import FixedPointCodec
+from .prg import PRG_NAMES, expand
+
+_HKDF_SALT = b"fedattr/secagg/pairwise-mask/v1"
+
+
+def pair_seed(shared_secret: bytes, round_id: int, query_id: int, a: int, b: int) -> bytes:
+    """32-byte PRG seed for pair ``{a, b}`` bound to one (round, query)."""
+    lo, hi = (a, b) if a < b else (b, a)
+    info = f"round={round_id};query={query_id};pair={lo},{hi}".encode()
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=_HKDF_SALT, info=info).derive(
+        shared_secret
+    )
+
+
+class MaskingClient:
+    """A client's side of the protocol: its private key and its encoded update."""
+
+    def __init__(self, client_id: int, codec: FixedPointCodec, prg: str) -> None:
+        self.client_id = client_id
+        self._codec = codec
+        self._prg = prg
+        self._private = X25519PrivateKey.generate()
+        self._secrets: dict[int, bytes] = {}
+        self._encoded: np.ndarray | None = None
+
+    @property
+    def public_key(self) -> bytes:
+        """Raw 32-byte X25519 public key, sent to the server for relay."""
+        return self._private.public_key().public_bytes_raw()
+
+    def hold(self, flat: np.ndarray) -> None:
+        """Encode and keep this round's update (it never leaves the client unmasked)."""
+        self._encoded = self._codec.encode(flat)
+
+    def masked_input(
+        self, round_id: int, query_id: int, members: Sequence[int], public_keys: dict[int, bytes]
+    ) -> np.ndarray:
+        """The client's upload for one query over ``members`` (which must include it)."""
+        if self._encoded is None:
+            raise SecAggError(f"client {self.client_id} holds no update this round")
+        if self.client_id not in members:
+            raise SecAggError(f"client {self.client_id} was asked to join a query it is not in")
+        y = self._encoded.copy()
+        for other in members:
+            if other == self.client_id:
+                continue
+            secret = self._secrets.get(other)
+            if secret is None:
+                peer = X25519PublicKey.from_public_bytes(public_keys[other])
+                secret = self._secrets[other] = self._private.exchange(peer)
+            seed = pair_seed(secret, round_id, query_id, self.client_id, other)
+            mask = expand(seed, y.size, self._codec.dtype, self._prg)
+            if self.client_id < other:
+                y += mask
+            else:
+                y -= mask
+        return y
+
+
+class PairwiseMaskServer:
+    """The server's side: public keys and the masked uploads of one query, nothing more."""
+
+    def __init__(self) -> None:
+        self.public_keys: dict[int, bytes] = {}
+
+    def run_query(
+        self,
+        round_id: int,
+        query_id: int,
+        members: tuple[int, ...],
+        collect: Callable[[int, int, int, tuple[int, ...], dict[int, bytes]], np.ndarray],
+    ) -> tuple[np.ndarray, int]:
+        """Announce the query, collect every member's masked upload, return their ring sum."""
+        total: np.ndarray | None = None
+        moved = 0
+        for j in members:
+            y = collect(j, round_id, query_id, members, self.public_keys)
+            moved += y.nbytes
+            total = y.copy() if total is None else total + y
+        assert total is not None
+        return total, moved
+
+
+class PairwiseMaskAggregator(SecureAggregator):
+    """Pairwise additive masks from X25519 + HKDF + a stream-cipher PRG; masks cancel in S(W)."""
+
+    name = "pairwise-mask"
+
+    def __init__(
+        self, min_members: int = 2, codec: FixedPointCodec | None = None, prg: str = "aes-ctr"
+    ) -> None:
+        super().__init__(min_members, codec)
+        if prg not in PRG_NAMES:
+            raise SecAggError(f"prg: unknown generator {prg!r}; allowed: {', '.join(PRG_NAMES)}")
+        self.prg = prg
+        self.server = PairwiseMaskServer()
+        self._parties: dict[int, MaskingClient] = {}
+        self._client_seconds: list[float] = []
+
+    def _start_round(self, round_id, client_ids) -> None:
+        # Fresh key pairs every round (forward secrecy between rounds, as in Bonawitz et al.).
+        self._parties = {c: MaskingClient(c, self.codec, self.prg) for c in client_ids}
+        self.server.public_keys = {c: p.public_key for c, p in self._parties.items()}
+
+    def _receive(self, client_id: int, flat: np.ndarray) -> None:
+        self._parties[client_id].hold(flat)
+
+    def _collect(self, client_id, round_id, query_id, members, public_keys) -> np.ndarray:
+        start = time.perf_counter()
+        y = self._parties[client_id].masked_input(round_id, query_id, members, public_keys)
+        self._client_seconds.append(time.perf_counter() - start)
+        return y
+
+    def _sum(self, members, query_id):
+        self._client_seconds = []
+        ring_sum, moved = self.server.run_query(self.round, query_id, members, self._collect)
+        moved += 32 * len(members) * (len(members) - 1)  # public keys relayed to members
+        return self.codec.decode(ring_sum), moved, max(self._client_seconds)
+
+    def _drop_round(self) -> None:
+        self._parties = {}
+        self.server.public_keys = {}

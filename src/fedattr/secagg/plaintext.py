@@ -1,0 +1,34 @@
+"""The reference backend: no cryptography, exact float64 sums."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import SecureAggregator
+
+
+class PlaintextAggregator(SecureAggregator):
+    """Reference backend that HOLDS EVERY UPDATE IN THE CLEAR (tests and baselines only)."""
+
+    name = "plaintext"
+    holds_plaintext = True
+
+    def _start_round(self, round_id, client_ids) -> None:
+        self._updates: dict[int, np.ndarray] = {}
+
+    def _receive(self, client_id: int, flat: np.ndarray) -> None:
+        self._updates[client_id] = flat
+        self.upload_bytes += flat.nbytes
+
+    def _sum(self, members, query_id):
+        total = np.zeros_like(self._updates[members[0]])
+        for j in members:
+            total += self._updates[j]
+        return total, total.nbytes * len(members), 0.0
+
+    def _drop_round(self) -> None:
+        self._updates = {}
+
+    def plaintext_update(self, client_id: int) -> np.ndarray:
+        """One client's update: what no real SA backend can give (used by oracle baselines)."""
+        return self._updates[client_id].copy()

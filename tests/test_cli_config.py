@@ -1,0 +1,96 @@
+import json
+
+import pytest
+
+from fedattr.cli import main
+from fedattr.config import ConfigError, apply_overrides, load
+from fedattr.experiments.synthetic import DemoConfig
+
+
+def test_load_toml_with_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[synthetic]\nK = 12\nwatermarked = [1, 2]\n[secagg]\nbackend = "two-server"\n')
+    cfg = load(DemoConfig, f, ["attribution.M=7", "synthetic.signal=2"])
+    assert cfg.synthetic.K == 12 and cfg.synthetic.watermarked == [1, 2]
+    assert cfg.secagg.backend == "two-server" and cfg.attribution.M == 7
+    assert cfg.synthetic.signal == 2.0 and isinstance(cfg.synthetic.signal, float)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["attribution.MM=3"], "unknown setting attribution.MM"),
+        (["attribution.M=three"], "attribution.M: expected an integer"),
+        (["attribution.M=0"], "attribution.M: must be an integer >= 1"),
+        (["secagg.ring_bits=16"], "ring_bits: must be 32 or 64"),
+        (["synthetic.watermarked=[1, 1]"], "synthetic.watermarked: ids must be distinct"),
+        (["nokey"], "expected key=value"),
+    ],
+)
+def test_bad_settings_name_the_key(overrides, match):
+    with pytest.raises((ConfigError, ValueError), match=match):
+        load(DemoConfig, None, overrides)
+
+
+def test_missing_and_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(DemoConfig, tmp_path / "nope.toml")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    with pytest.raises(ConfigError, match="is not valid"):
+        load(DemoConfig, bad)
+
+
+def test_overrides_do_not_mutate_input():
+    data = {"a": {"b": 1}}
+    out = apply_overrides(data, ["a.b=2", 'a.c="x"'])
+    assert data == {"a": {"b": 1}} and out == {"a": {"b": 2, "c": "x"}}
+
+
+def test_cli_privacy_json(capsys):
+    assert main(["privacy", "--K", "10", "--N", "5", "--M", "5", "--trials", "4000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["queries_per_round"] == 100 and 0.83 < out["acceptance"]["rate"] < 0.91
+    assert out["joint"]["recoverable_clients"] == 10
+
+
+def test_cli_errors_are_one_line(capsys):
+    assert main(["privacy", "--K", "10", "--N", "9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedattr: error: N: the subset size") and err.count("\n") == 1
+    assert main(["demo-protocol", "--set", "secagg.backend=nope"]) == 2
+    assert "allowed: plaintext, pairwise-mask, two-server" in capsys.readouterr().err
+    assert main(["bench", "secagg", "--dim", "0"]) == 2
+    assert "--dim: must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_demo_writes_run_folder(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(
+        [
+            "demo-protocol",
+            "--quiet",
+            "--out",
+            str(out),
+            "--set",
+            "synthetic.dim=64",
+            "--set",
+            "synthetic.rounds=2",
+        ]
+    )
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    assert {"tpr", "fpr", "clients", "sa_queries", "timing"} <= set(res)
+    assert len(res["clients"]) == 10 and set(res["clients"][0]) >= {"id", "Z", "p", "flagged", "z"}
+    assert len((out / "rounds.jsonl").read_text().splitlines()) == 2
+    assert "| client |" in (out / "report.md").read_text()
+    assert "TPR" in capsys.readouterr().out
+
+
+def test_cli_bench_small(capsys):
+    assert (
+        main(["bench", "secagg", "--dim", "1000", "--members", "3", "--repeats", "1", "--json"])
+        == 0
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["backend"] for r in rows} >= {"plain-sum", "plaintext", "pairwise-mask", "two-server"}
