@@ -84,6 +84,7 @@ def test_cli_demo_writes_run_folder(tmp_path, capsys):
     assert len(res["clients"]) == 10 and set(res["clients"][0]) >= {"id", "Z", "p", "flagged", "z"}
     assert len((out / "rounds.jsonl").read_text().splitlines()) == 2
     assert "| client |" in (out / "report.md").read_text()
+    assert (out / "attribution.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "TPR" in capsys.readouterr().out
 
 

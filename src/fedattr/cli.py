@@ -18,7 +18,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     result = run_demo(cfg, progress=None if not args.quiet else (lambda _m: None))
     if args.out:
         out = result.write(args.out)
-        print(f"wrote {out}/results.json, report.md, rounds.jsonl, config.json", file=sys.stderr)
+        print(
+            f"wrote {out}/: results.json report.md attribution.png rounds.jsonl config.json",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

@@ -29,6 +29,7 @@ from ..attribution.protocol import AttributionConfig, FedAttr, TargetRecord
 from ..attribution.scoring import LinearScorer
 from ..attribution.stouffer import AttributionReport
 from ..config import to_dict
+from ..reporting import plot_attribution
 from ..secagg import SecAggConfig, make_aggregator
 
 
@@ -114,7 +115,7 @@ class DemoResult:
         return out
 
     def write(self, out_dir: str | Path) -> Path:
-        """Write config.json, rounds.jsonl, results.json and report.md into ``out_dir``."""
+        """Write config.json, rounds.jsonl, results.json, report.md and attribution.png."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
@@ -127,8 +128,9 @@ class DemoResult:
             f"SA backend: `{self.config.secagg.backend}`; {self.sa_queries} subset-sum queries; "
             f"total {self.timing['total_s']:.2f} s (SA {self.timing['sa_s']:.2f} s).\n\n"
             + self.report.to_markdown()
-            + "\n"
+            + "\n\n![attribution](attribution.png)\n"
         )
+        plot_attribution(self.report, out / "attribution.png")
         return out
 
 
