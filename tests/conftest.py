@@ -21,3 +21,27 @@ def lora_updates():
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+MICRO_TINY = {
+    "vocab_size": 320,
+    "hidden_size": 32,
+    "layers": 1,
+    "heads": 2,
+    "intermediate_size": 64,
+    "max_positions": 128,
+    "pretrain_records": 400,
+    "pretrain_steps": 8,
+    "pretrain_batch": 8,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    """A cache folder holding a micro tiny-preset model (built once per test session)."""
+    from fedattr.models.config import TinyModelConfig
+    from fedattr.models.tiny import ensure_tiny
+
+    root = tmp_path_factory.mktemp("fedattr-cache")
+    ensure_tiny(TinyModelConfig(**MICRO_TINY), root, progress=lambda _m: None)
+    return root

@@ -13,8 +13,8 @@ from ..secagg.base import SecureAggregator
 from ..updates import add_update
 from .design import DesignError, draw_design, validate_parameters
 from .estimator import estimate_update
-from .scoring import ApplyUpdate, DifferentialScorer, Scorer
-from .stouffer import AttributionReport, build_report
+from .scoring import DEFAULT_STATISTIC, ApplyUpdate, DifferentialScorer, Scorer
+from .stouffer import AttributionReport, build_report, combine_reports
 
 
 @dataclass
@@ -51,7 +51,7 @@ class TargetRecord:
 
     round: int
     target: int
-    z: float
+    z: dict[str, float]
     c: float
     m_eff: float
     threshold: float
@@ -69,7 +69,7 @@ class RoundRecord:
 
     round: int
     participants: list[int]
-    reference_score: float
+    reference_score: dict[str, float]
     targets: list[TargetRecord] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -82,7 +82,8 @@ class FedAttr:
 
     def __init__(self, config: AttributionConfig | None = None) -> None:
         self.config = config or AttributionConfig()
-        self.scores: dict[int, dict[int, float]] = {}
+        # statistic -> client -> round -> differential score
+        self.scores: dict[str, dict[int, dict[int, float]]] = {}
         self.rounds: list[RoundRecord] = []
 
     def attribute_round(
@@ -109,15 +110,21 @@ class FedAttr:
         for target in participants if targets is None else targets:
             rng = np.random.default_rng([cfg.seed, round_id, target])
             design = draw_design(
-                participants, target, cfg.N, cfg.M, rng,
-                min_members=sa.min_members, max_redraws=cfg.max_redraws,
-            )  # fmt: skip
+                participants,
+                target,
+                cfg.N,
+                cfg.M,
+                rng,
+                min_members=sa.min_members,
+                max_redraws=cfg.max_redraws,
+            )
             t0 = time.perf_counter()
             estimate = sa.layout.unflatten(estimate_update(sa, design))
             t1 = time.perf_counter()
             z = differential(estimate)
             t2 = time.perf_counter()
-            self.scores.setdefault(target, {})[round_id] = z
+            for stat, value in z.items():
+                self.scores.setdefault(stat, {}).setdefault(target, {})[round_id] = value
             target_record = TargetRecord(
                 round=round_id,
                 target=target,
@@ -138,9 +145,27 @@ class FedAttr:
         self.rounds.append(record)
         return record
 
-    def report(self, truth: Mapping[int, bool] | None = None) -> AttributionReport:
-        """Stouffer Z over each client's attributed rounds, flags, and TPR/FPR given ``truth``."""
-        scores = dict(self.scores)
-        for cid in truth or {}:
-            scores.setdefault(cid, {})
-        return build_report(scores, self.config.gamma, truth)
+    @property
+    def statistics(self) -> list[str]:
+        """Names of the tracked statistics (one per corpus owner's key for KGW)."""
+        return sorted(self.scores)
+
+    def report(
+        self, truth: Mapping[int, bool] | None = None, statistic: str | None = None
+    ) -> AttributionReport:
+        """Stouffer Z over each client's attributed rounds, flags, and TPR/FPR given ``truth``.
+
+        With several statistics and no ``statistic`` named, the combined report is returned: see
+        :func:`~fedattr.attribution.stouffer.combine_reports`.
+        """
+        names = [statistic] if statistic is not None else self.statistics
+        unknown = [n for n in names if n not in self.scores]
+        if unknown:
+            raise KeyError(f"statistic {unknown[0]!r} was not scored; have {self.statistics}")
+        reports = []
+        for name in names or [DEFAULT_STATISTIC]:
+            scores = dict(self.scores.get(name, {}))
+            for cid in truth or {}:
+                scores.setdefault(cid, {})
+            reports.append(build_report(scores, self.config.gamma, truth, statistic=name))
+        return reports[0] if len(reports) == 1 else combine_reports(reports)

@@ -9,7 +9,7 @@ reference is scored once per round and reused for every target, with the same pr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -18,9 +18,24 @@ from ..updates import Update, add_update
 
 
 class Scorer(Protocol):
-    """Anything callable on model parameters that returns a float detection statistic."""
+    """Callable on model parameters returning a detection statistic.
 
-    def __call__(self, params: Any) -> float: ...
+    Either one float, or a mapping of named statistics (e.g. one KGW z per corpus owner's key,
+    computed from the same generations) that FedAttr tracks side by side.
+    """
+
+    def __call__(self, params: Any) -> float | Mapping[str, float]: ...
+
+
+DEFAULT_STATISTIC = "score"
+"""Name given to the value of a scorer that returns a single float."""
+
+
+def as_statistics(value: float | Mapping[str, float]) -> dict[str, float]:
+    """A scorer's output as ``{name: value}``."""
+    if isinstance(value, Mapping):
+        return {str(k): float(v) for k, v in value.items()}
+    return {DEFAULT_STATISTIC: float(value)}
 
 
 ApplyUpdate = Callable[[Any, Update], Any]
@@ -48,8 +63,9 @@ class DifferentialScorer:
         self.scorer = scorer
         self.reference = reference
         self.apply = apply
-        self.reference_score = float(scorer(reference))
+        self.reference_score = as_statistics(scorer(reference))
 
-    def __call__(self, estimate: Update) -> float:
-        """``Score(reference + estimate) - Score(reference)``."""
-        return float(self.scorer(self.apply(self.reference, estimate))) - self.reference_score
+    def __call__(self, estimate: Update) -> dict[str, float]:
+        """``Score(reference + estimate) - Score(reference)`` for every statistic."""
+        scores = as_statistics(self.scorer(self.apply(self.reference, estimate)))
+        return {k: v - self.reference_score[k] for k, v in scores.items()}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scipy.stats import norm
@@ -37,11 +37,14 @@ class ClientAttribution:
     log10_p: float
     flagged: bool
     watermarked: bool | None = None
+    statistic: str = "score"
+    """Which statistic these numbers belong to (in a combined report: the client's strongest)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form (round keys become strings, as JSON requires)."""
         return {
             "id": self.id,
+            "statistic": self.statistic,
             "watermarked": self.watermarked,
             "Z": self.Z,
             "p": self.p,
@@ -57,6 +60,8 @@ class AttributionReport:
 
     gamma: float
     clients: list[ClientAttribution] = field(default_factory=list)
+    components: dict[str, AttributionReport] = field(default_factory=dict)
+    """For a combined report: the report of each statistic (e.g. each owner's key)."""
 
     @property
     def flagged(self) -> list[int]:
@@ -85,6 +90,10 @@ class AttributionReport:
             "fpr": self.fpr,
             "flagged": self.flagged,
             "clients": [c.to_dict() for c in self.clients],
+            "by_statistic": {
+                name: {str(c.id): {"Z": c.Z, "p": c.p, "flagged": c.flagged} for c in r.clients}
+                for name, r in self.components.items()
+            },
         }
 
     def to_markdown(self) -> str:
@@ -109,6 +118,7 @@ def build_report(
     scores: Mapping[int, Mapping[int, float]],
     gamma: float,
     truth: Mapping[int, bool] | None = None,
+    statistic: str = "score",
 ) -> AttributionReport:
     """Combine ``scores[client][round]`` per client with Stouffer and flag ``Z > gamma``.
 
@@ -128,6 +138,44 @@ def build_report(
                 log10_p=log10_p,
                 flagged=gamma < Z,
                 watermarked=None if truth is None else bool(truth.get(cid, False)),
+                statistic=statistic,
             )
         )
     return report
+
+
+def combine_reports(reports: Sequence[AttributionReport]) -> AttributionReport:
+    """One report over several statistics (e.g. several corpus owners' KGW keys).
+
+    A client is flagged when any statistic flags it (each owner tests for their own data);
+    its row shows its strongest statistic, and ``p`` is Bonferroni-adjusted over the ``S``
+    statistics (``min(1, S * min_s p_s)``), since taking the best of S tests multiplies the
+    chance of a false flag by up to S at the nominal level.
+    """
+    if not reports:
+        raise ValueError("combine_reports: no reports")
+    S = len(reports)
+    out = AttributionReport(
+        gamma=reports[0].gamma,
+        components={
+            r.clients[0].statistic if r.clients else str(i): r for i, r in enumerate(reports)
+        },
+    )
+    by_id = [{c.id: c for c in r.clients} for r in reports]
+    for cid in sorted(by_id[0]):
+        rows = [b[cid] for b in by_id]
+        best = max(rows, key=lambda c: c.Z)
+        log10_p = min(0.0, math.log10(S) + best.log10_p)
+        out.clients.append(
+            ClientAttribution(
+                id=cid,
+                z=dict(best.z),
+                Z=best.Z,
+                p=min(1.0, S * best.p),
+                log10_p=log10_p,
+                flagged=any(c.flagged for c in rows),
+                watermarked=best.watermarked,
+                statistic=best.statistic,
+            )
+        )
+    return out

@@ -79,9 +79,13 @@ def bench_secagg(
     for name in names:
         say(f"benchmarking {name} (dim={dim}, members={members}, repeats={repeats})")
         cfg = SecAggConfig(
-            backend=name, min_members=min(base.min_members, members), ring_bits=base.ring_bits,
-            frac_bits=base.frac_bits, clip=base.clip, prg=base.prg,
-        )  # fmt: skip
+            backend=name,
+            min_members=min(base.min_members, members),
+            ring_bits=base.ring_bits,
+            frac_bits=base.frac_bits,
+            clip=base.clip,
+            prg=base.prg,
+        )
         sa = make_aggregator(cfg)
         sa.open_round(0, range(members))
         t0 = time.perf_counter()
@@ -95,9 +99,18 @@ def bench_secagg(
         ms = 1000 * statistics.median(r.seconds for r in log)
         client_ms = 1000 * statistics.median(r.client_seconds_max for r in log)
         rows.append(
-            BenchRow(name, "cpu", dim, members, ms, client_ms, upload_ms, log[-1].bytes_moved,
-                     ms / plain["cpu"])
-        )  # fmt: skip
+            BenchRow(
+                name,
+                "cpu",
+                dim,
+                members,
+                ms,
+                client_ms,
+                upload_ms,
+                log[-1].bytes_moved,
+                ms / plain["cpu"],
+            )
+        )
     return rows
 
 

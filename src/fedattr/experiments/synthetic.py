@@ -190,7 +190,7 @@ def run_demo(
         timing["sa_s"] += time.perf_counter() - t0
         sa.close_round()
         records.append(record.to_dict())
-        zs = " ".join(f"{r.target}:{r.z:+.1f}" for r in record.targets)
+        zs = " ".join(f"{r.target}:{r.z['score']:+.1f}" for r in record.targets)
         say(f"[round {t}/{syn.rounds}] differential scores {zs}")
     timing["total_s"] = time.perf_counter() - start
     truth = {j: j in wm for j in clients}

@@ -31,16 +31,24 @@ def plot_attribution(report: AttributionReport, path: str | Path) -> Path:
         style = {"color": colours[c.watermarked], "alpha": 0.85, "lw": 1.4}
         ax_z.plot(rounds, zs, marker="o", ms=3, **style)
         ax_s.plot(rounds, cumulative, marker="o", ms=3, **style)
-        ax_s.annotate(str(c.id), (rounds[-1], cumulative[-1]), xytext=(4, 0),
-                      textcoords="offset points", fontsize=8, va="center")  # fmt: skip
+        ax_s.annotate(
+            str(c.id),
+            (rounds[-1], cumulative[-1]),
+            xytext=(4, 0),
+            textcoords="offset points",
+            fontsize=8,
+            va="center",
+        )
         if c.flagged:
             ax_s.plot(rounds[-1], cumulative[-1], marker="*", ms=12, color="black")
     ax_z.axhline(0, color="black", lw=0.6)
     ax_z.set(title="per-round differential score $z_i^t$", xlabel="round t", ylabel="z")
     ax_s.axhline(report.gamma, color="black", ls="--", lw=1, label=f"γ = {report.gamma:g}")
     ax_s.set(title="cumulative Stouffer $Z_i$ (★ flagged)", xlabel="rounds so far", ylabel="Z")
-    handles = [plt.Line2D([], [], color=colours[k], label=lab)
-               for k, lab in ((True, "watermarked"), (False, "clean"))]  # fmt: skip
+    handles = [
+        plt.Line2D([], [], color=colours[k], label=lab)
+        for k, lab in ((True, "watermarked"), (False, "clean"))
+    ]
     handles.append(plt.Line2D([], [], color="black", ls="--", label=f"γ = {report.gamma:g}"))
     ax_s.legend(handles=handles, loc="upper left", fontsize=8)
     for ax in (ax_z, ax_s):

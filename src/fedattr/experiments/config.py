@@ -1,0 +1,158 @@
+"""The configuration of ``fedattr run``: one typed tree, loadable from a file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..attribution.protocol import AttributionConfig
+from ..models.config import LoRAConfig, ModelConfig
+from ..models.training import TrainSettings
+from ..secagg import SecAggConfig
+
+
+@dataclass
+class DataConfig:
+    """Where the clients' instruction data comes from and how it is split."""
+
+    path: str = ""
+    """Local .json/.jsonl (Alpaca or chat form) or a Hugging Face dataset id; empty: the
+    embedded procedural corpus."""
+    split: str = "train"
+    records: int = 800
+    """Records drawn for the clients (embedded corpus size, or a cap on a loaded file)."""
+    partition: str = "iid"
+    """``iid`` or ``dirichlet``."""
+    dirichlet_alpha: float = 0.5
+    max_len: int = 128
+    """Longest training sequence in tokens."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.partition not in ("iid", "dirichlet"):
+            raise ValueError(f"data.partition: must be iid or dirichlet, got {self.partition!r}")
+        if self.records < 1:
+            raise ValueError(f"data.records: must be >= 1, got {self.records}")
+        if self.max_len < 8:
+            raise ValueError(f"data.max_len: must be >= 8, got {self.max_len}")
+        p = Path(self.path)
+        if self.path and (p.suffix in (".json", ".jsonl") or "/" in self.path) and not p.exists():
+            # Checked here, before any model is loaded or trained.
+            raise ValueError(f"data.path: file {self.path!r} does not exist")
+
+
+@dataclass
+class WatermarkConfig:
+    """KGW watermarking of the owners' documents and its detection."""
+
+    kind: str = "kgw"
+    r: int = 3
+    """Watermarked clients, chosen by seed (ignored when ``clients`` is given)."""
+    clients: list[int] | None = None
+    owners: int = 3
+    """Corpus owners, each with a secret key; watermarked client k uses owner k mod owners."""
+    ratio: float = 0.20
+    """Share of a watermarked client's records replaced by its owner's documents (rho_wm)."""
+    gamma: float = 0.25
+    delta: float = 3.0
+    key_seed: int = 1234
+    temperature: float = 0.8
+    top_p: float = 0.95
+    doc_max_new_tokens: int = 96
+    min_tokens: int = 8
+    detect_prompts: int = 32
+    detect_max_new_tokens: int = 48
+    dedupe: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind != "kgw":
+            raise ValueError(f"watermark.kind: only 'kgw' is available, got {self.kind!r}")
+        if not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"watermark.ratio: must be in (0, 1], got {self.ratio}")
+        if self.owners < 1:
+            raise ValueError(f"watermark.owners: must be >= 1, got {self.owners}")
+        if self.r < 0:
+            raise ValueError(f"watermark.r: must be >= 0, got {self.r}")
+        if not 0.0 < self.gamma < 1.0:
+            raise ValueError(f"watermark.gamma: must be in (0, 1), got {self.gamma}")
+        if self.detect_prompts < 1 or self.detect_max_new_tokens < 1:
+            raise ValueError("watermark.detect_prompts and detect_max_new_tokens: must be >= 1")
+
+
+@dataclass
+class FLConfig:
+    """Federated training."""
+
+    K: int = 10
+    rounds: int = 5
+    participation: float = 1.0
+    """Fraction C/K of clients sampled each round."""
+    strategy: str = "fedit"
+    """``fedit`` or ``flora``."""
+    train: TrainSettings = field(default_factory=TrainSettings)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.K < 3:
+            raise ValueError(f"fl.K: must be >= 3, got {self.K}")
+        if self.rounds < 1:
+            raise ValueError(f"fl.rounds: must be >= 1, got {self.rounds}")
+        if not 0.0 < self.participation <= 1.0:
+            raise ValueError(f"fl.participation: must be in (0, 1], got {self.participation}")
+        if self.strategy not in ("fedit", "flora"):
+            raise ValueError(f"fl.strategy: must be fedit or flora, got {self.strategy!r}")
+
+
+@dataclass
+class RunConfig:
+    """Everything ``fedattr run`` needs (defaults: the embedded default run)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    watermark: WatermarkConfig = field(default_factory=WatermarkConfig)
+    fl: FLConfig = field(default_factory=FLConfig)
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
+    attribution: AttributionConfig = field(default_factory=AttributionConfig)
+
+    def __post_init__(self) -> None:
+        wm = self.watermark
+        if wm.clients is not None:
+            bad = [c for c in wm.clients if not 0 <= c < self.fl.K]
+            if bad or len(set(wm.clients)) != len(wm.clients):
+                raise ValueError(
+                    f"watermark.clients: ids must be distinct and in 0..{self.fl.K - 1}, "
+                    f"got {wm.clients}"
+                )
+        elif wm.r > self.fl.K:
+            raise ValueError(f"watermark.r: must be in 0..fl.K={self.fl.K}, got {wm.r}")
+        n = max(1, round(self.fl.participation * self.fl.K))
+        if not n - 1 > self.attribution.N:
+            raise ValueError(
+                f"attribution.N={self.attribution.N} needs N < (clients per round) - 1 = {n - 1}; "
+                f"lower N or raise fl.K / fl.participation"
+            )
+        if self.secagg.min_members > self.attribution.N:
+            raise ValueError(
+                f"attribution.N={self.attribution.N} is below secagg.min_members="
+                f"{self.secagg.min_members}; the V-subsets would be refused by SA"
+            )
+
+
+PRESET_OVERRIDES: dict[str, list[str]] = {
+    "tiny": [],
+    "smollm2": [
+        "model.preset=smollm2-135m",
+        "model.dtype=bfloat16",
+        "data.max_len=512",
+        "data.records=5000",
+        "fl.train.batch_size=16",
+        "fl.train.micro_batch_size=16",
+        "fl.train.lr=2e-4",
+        "watermark.detect_prompts=64",
+        "watermark.detect_max_new_tokens=64",
+        "watermark.doc_max_new_tokens=256",
+        "watermark.min_tokens=32",
+    ],
+}
+"""``--preset NAME`` applies these overrides before the config file and ``--set``."""

