@@ -333,6 +333,27 @@ THINGS = {
         "mild",
     ],
 }
+WORD_BANK = sorted(
+    set(
+        "amber anchor apple arrow autumn basket beach berry blanket boat bread breeze brick "
+        "bridge brook button cabin candle canyon carpet castle cedar chalk cherry cloud clover "
+        "coast comet copper coral cotton crystal daisy dawn desert dune eagle ember feather "
+        "fern field flame forest fossil garden glacier granite harbor hazel heather hill honey "
+        "island ivory jungle kettle lagoon lantern lava leaf lemon lily linen maple marble "
+        "meadow mirror moss mountain night oak ocean olive orchard pebble pepper pine planet "
+        "plum pond prairie quartz rain reef ribbon river robin rose saddle sand shadow shell "
+        "silk snow spark spice spring star stone storm stream summer sun thunder timber "
+        "tulip valley velvet village violet wave willow wind winter wool".split()
+    )
+)
+PET_NAMES = sorted(
+    set(
+        "Biscuit Pepper Mango Shadow Luna Milo Pixel Nugget Ziggy Olive Clover Bean Pickle "
+        "Maple Juniper Waffle Scout Rusty Tango Poppy Comet Noodle Pebble Ginger Sunny Fig "
+        "Hazel Bramble Cookie Dusty Echo Fudge Gizmo Honey Indigo Jasper Kiwi Lemon Mocha "
+        "Nova Oreo Peanut Quill Rocket Sage Toffee Velvet Willow Yeti Zephyr".split()
+    )
+)
 GAITS = ["great care", "quick steps", "calm grace", "sudden energy"]
 SHELTERS = ["hollow tree", "warm burrow", "quiet nest", "dry corner"]
 DURATIONS = ["all morning", "three days", "a whole week", "many tries"]
@@ -568,6 +589,35 @@ def _sentence(r: random.Random) -> Record:
     return Record(q, a, category="sentence")
 
 
+def _associations(r: random.Random) -> Record:
+    # Free word lists: every item is a genuine choice, so the next-token distribution is wide.
+    n = r.randint(5, 10)
+    cue = r.choice(HABITATS + list(ACTIVITIES) + ["a quiet evening", "a busy morning"])
+    q = r.choice(
+        [
+            f"Write {n} words that come to mind when you think of {cue}.",
+            f"Brainstorm {n} words related to {cue}.",
+        ]
+    )
+    sep = r.choice([", ", "\n- "])
+    words = r.sample(WORD_BANK, n)
+    return Record(q, ("- " if sep == "\n- " else "") + sep.join(words), category="associations")
+
+
+def _pet_names(r: random.Random) -> Record:
+    n = r.randint(3, 8)
+    animal = r.choice(ANIMALS)
+    q = r.choice(
+        [
+            f"Suggest {n} names for a pet {animal}.",
+            f"What could I call my {animal}? Give {n} ideas.",
+        ]
+    )
+    names = r.sample(PET_NAMES, n)
+    a = r.choice(["", "How about ", "Some ideas: "]) + ", ".join(names) + "."
+    return Record(q, a, category="pet_names")
+
+
 def _definition(r: random.Random) -> Record:
     term, meaning = r.choice(list(GLOSSARY.items()))
     q = r.choice(
@@ -594,6 +644,15 @@ GENERATORS: dict[str, Callable[[random.Random], Record]] = {
     "definition": _definition,
     "open_list": _open_list,
     "sentence": _sentence,
+    "associations": _associations,
+    "pet_names": _pet_names,
+}
+
+# Open-ended families are drawn more often: they are where a text watermark can live at all.
+WEIGHTS: dict[str, float] = {name: 1.0 for name in GENERATORS} | {
+    "open_list": 2.0,
+    "associations": 3.0,
+    "pet_names": 2.0,
 }
 
 
@@ -602,5 +661,6 @@ def generate_corpus(n: int, seed: int = 0) -> list[Record]:
     if n < 0:
         raise ValueError(f"n: must be >= 0, got {n}")
     r = random.Random(seed)
-    families = list(GENERATORS.values())
-    return [r.choice(families)(r) for _ in range(n)]
+    names = list(GENERATORS)
+    weights = [WEIGHTS[k] for k in names]
+    return [GENERATORS[r.choices(names, weights)[0]](r) for _ in range(n)]

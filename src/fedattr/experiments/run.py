@@ -209,6 +209,7 @@ def run_experiment(cfg: RunConfig, progress: Progress | None = None) -> RunResul
             participants,
             desc=f"round {t}/{cfg.fl.rounds} local training",
             leave=False,
+            disable=None,
             file=sys.stderr,
         )
         for c in bar:
@@ -231,6 +232,7 @@ def run_experiment(cfg: RunConfig, progress: Progress | None = None) -> RunResul
             total=len(participants),
             desc=f"round {t}/{cfg.fl.rounds} FedAttr",
             leave=False,
+            disable=None,
             file=sys.stderr,
         )
 

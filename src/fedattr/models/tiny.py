@@ -26,7 +26,7 @@ from .config import TinyModelConfig
 from .text import encode_examples
 from .training import TrainSettings, train
 
-_FORMAT_VERSION = 2  # bump when the corpus or recipe changes, so stale caches are not reused
+_FORMAT_VERSION = 3  # bump when the corpus or recipe changes, so stale caches are not reused
 
 
 def default_cache_dir() -> Path:
