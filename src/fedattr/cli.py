@@ -98,6 +98,23 @@ def _cmd_privacy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from .attribution.audit import audit_run, format_audit
+
+    rounds = audit_run(args.run_dir)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rounds], indent=2))
+        return 0
+    print(format_audit(rounds))
+    exposed = sum(len(r.recoverable) for r in rounds)
+    print(
+        f"\n{exposed} client-rounds exactly recoverable from the answered queries"
+        if exposed
+        else "\nno client's update is exactly recoverable in any round"
+    )
+    return 0
+
+
 def _cmd_bench_secagg(args: argparse.Namespace) -> int:
     from .experiments.bench import bench_secagg, format_rows
     from .secagg import SecAggConfig
@@ -186,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     priv.add_argument("--json", action="store_true")
     priv.set_defaults(func=_cmd_privacy)
 
+    audit = sub.add_parser(
+        "audit", help="what a run's SA answers reveal: exact recovery and joint leakage per round"
+    )
+    audit.add_argument("run_dir", metavar="RUN_DIR", help="a folder written with --out")
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(func=_cmd_audit)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bs = bench_sub.add_parser("secagg", help="ms per subset-sum query per backend vs a plain sum")
@@ -207,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         print(f"fedattr: error: {msg}", file=sys.stderr)
         return 2

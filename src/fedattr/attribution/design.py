@@ -124,6 +124,17 @@ class QueryDesign:
         """SA queries this design costs (2M)."""
         return 2 * len(self.U)
 
+    def integer_coefficients(self) -> dict[int, int]:
+        """``M`` times :meth:`coefficients`, exactly: inclusion counts in U minus in V."""
+        counts = dict.fromkeys(self.participants, 0)
+        for u in self.U:
+            for j in u:
+                counts[j] += 1
+        for v in self.V:
+            for j in v:
+                counts[j] -= 1
+        return counts
+
     def coefficients(self) -> dict[int, float]:
         """Weight of every participant's update in the estimate (1 for the target, else alpha)."""
         coef = {j: self.stats.alpha.get(j, 0.0) for j in self.participants}

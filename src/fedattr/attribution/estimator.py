@@ -24,6 +24,16 @@ def estimate_update(sa: SecureAggregator, design: QueryDesign) -> np.ndarray:
     return total / design.M
 
 
+def estimate_update_fused(sa: SecureAggregator, design: QueryDesign) -> np.ndarray:
+    """The same estimate as :func:`estimate_update` from ONE fused SA query.
+
+    Clients scale their ring encodings by ``M * coef_j`` (integers) and the SA session returns
+    ``sum_j coef_j Delta_j`` directly, so the server never holds the 2M subset sums behind it.
+    In the ring this is the very same integer as the subset-sum path's total.
+    """
+    return sa.combination_flat(design.integer_coefficients(), denominator=design.M)
+
+
 def predicted_error_trace(
     flat_updates: dict[int, np.ndarray], target: int, expected_c: float
 ) -> float:

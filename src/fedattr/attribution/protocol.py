@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 
 from ..secagg.base import SecureAggregator
+from ..secagg.errors import QueryRefused
 from ..updates import add_update
 from .design import DesignError, draw_design, validate_parameters
-from .estimator import estimate_update
+from .estimator import estimate_update, estimate_update_fused
 from .scoring import DEFAULT_STATISTIC, ApplyUpdate, DifferentialScorer, Scorer
 from .stouffer import AttributionReport, build_report, combine_reports
 
@@ -31,8 +32,21 @@ class AttributionConfig:
     """Give up on a target after this many rejected designs in a row."""
     seed: int = 0
     """Seed of the design draws (each round and target gets its own stream)."""
+    mode: str = "paper"
+    """``paper``: 2M subset-sum queries per target, every target every round (as published).
+    ``hardened``: one fused query per target, and only targets the SA release policy admits
+    (rotating, seeded order); Stouffer runs over each client's targeted rounds."""
+    policy_attempts: int = 20
+    """Hardened mode: designs tried per target before it is skipped for the round."""
 
     def __post_init__(self) -> None:
+        if self.mode not in ("paper", "hardened"):
+            raise DesignError(f"attribution.mode: must be paper or hardened, got {self.mode!r}")
+        if not isinstance(self.policy_attempts, int) or self.policy_attempts < 1:
+            raise DesignError(
+                "attribution.policy_attempts: must be an integer >= 1, "
+                f"got {self.policy_attempts!r}"
+            )
         if not isinstance(self.M, int) or self.M < 1:
             raise DesignError(f"attribution.M: must be an integer >= 1, got {self.M!r}")
         if not isinstance(self.N, int) or self.N < 1:
@@ -61,6 +75,8 @@ class TargetRecord:
     V: list[list[int]]
     sa_seconds: float
     score_seconds: float
+    fused: bool = False
+    attempts: int = 1
 
 
 @dataclass
@@ -71,6 +87,8 @@ class RoundRecord:
     participants: list[int]
     reference_score: dict[str, float]
     targets: list[TargetRecord] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    """Hardened mode: targets the release policy did not admit this round."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -107,19 +125,38 @@ class FedAttr:
         validate_parameters(len(participants), cfg.N, cfg.M, sa.min_members)
         differential = DifferentialScorer(scorer, reference, apply or add_update)
         record = RoundRecord(round_id, list(participants), differential.reference_score)
-        for target in participants if targets is None else targets:
+        hardened = cfg.mode == "hardened"
+        order = list(participants if targets is None else targets)
+        if hardened and targets is None:
+            # Rotate who goes first, so that over rounds every client gets admitted.
+            shift = int(np.random.default_rng([cfg.seed, round_id, 1]).integers(len(order)))
+            order = order[shift:] + order[:shift]
+        for target in order:
             rng = np.random.default_rng([cfg.seed, round_id, target])
-            design = draw_design(
-                participants,
-                target,
-                cfg.N,
-                cfg.M,
-                rng,
-                min_members=sa.min_members,
-                max_redraws=cfg.max_redraws,
-            )
             t0 = time.perf_counter()
-            estimate = sa.layout.unflatten(estimate_update(sa, design))
+            flat, design, attempts = None, None, 0
+            while flat is None and attempts < (cfg.policy_attempts if hardened else 1):
+                attempts += 1
+                design = draw_design(
+                    participants,
+                    target,
+                    cfg.N,
+                    cfg.M,
+                    rng,
+                    min_members=sa.min_members,
+                    max_redraws=cfg.max_redraws,
+                )
+                if not hardened:
+                    flat = estimate_update(sa, design)
+                    break
+                try:
+                    flat = estimate_update_fused(sa, design)
+                except QueryRefused:
+                    flat = None  # the release policy said no: try another design
+            if flat is None:
+                record.skipped.append(target)
+                continue
+            estimate = sa.layout.unflatten(flat)
             t1 = time.perf_counter()
             z = differential(estimate)
             t2 = time.perf_counter()
@@ -138,6 +175,8 @@ class FedAttr:
                 V=[list(v) for v in design.V],
                 sa_seconds=t1 - t0,
                 score_seconds=t2 - t1,
+                fused=hardened,
+                attempts=attempts,
             )
             record.targets.append(target_record)
             if on_target is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..attribution.protocol import AttributionConfig
 from ..models.config import LoRAConfig, ModelConfig
 from ..models.training import TrainSettings
-from ..secagg import SecAggConfig
+from ..secagg import SecAggConfig, single_estimate_budget
 
 
 @dataclass
@@ -103,6 +103,13 @@ class FLConfig:
             raise ValueError(f"fl.strategy: must be fedit or flora, got {self.strategy!r}")
 
 
+def harden(attribution: AttributionConfig, secagg: SecAggConfig, K: int) -> None:
+    """Hardened mode without an explicit budget gets the paper's single-estimate bound at
+    (K, N, M): no client may leak more jointly than one accepted estimate may alone."""
+    if attribution.mode == "hardened" and secagg.release_budget == 0:
+        secagg.release_budget = single_estimate_budget(K, attribution.N, attribution.M)
+
+
 @dataclass
 class RunConfig:
     """Everything ``fedattr run`` needs (defaults: the embedded default run)."""
@@ -132,6 +139,7 @@ class RunConfig:
                 f"attribution.N={self.attribution.N} needs N < (clients per round) - 1 = {n - 1}; "
                 f"lower N or raise fl.K / fl.participation"
             )
+        harden(self.attribution, self.secagg, n)
         if self.secagg.min_members > self.attribution.N:
             raise ValueError(
                 f"attribution.N={self.attribution.N} is below secagg.min_members="

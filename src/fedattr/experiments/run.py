@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,7 @@ from ..watermarks.kgw import KGWScheme
 from ..watermarks.radioactivity import KGWModelScorer
 from ..watermarks.teacher import watermark_records
 from .config import RunConfig
+from .synthetic import write_query_log
 
 Progress = Callable[[str], None]
 
@@ -127,11 +128,13 @@ class RunResult:
     sa_queries: int
     timing: dict[str, float]
     federation: dict
+    queries: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-ready form (``results.json``)."""
         out = self.report.to_dict()
         out.update(
+            mode=self.config.attribution.mode,
             sa_queries=self.sa_queries,
             timing=self.timing,
             federation=self.federation,
@@ -148,6 +151,7 @@ class RunResult:
         with open(out / "rounds.jsonl", "w") as fh:
             for r in self.rounds:
                 fh.write(json.dumps(r) + "\n")
+        write_query_log(out / "queries.jsonl", self.queries)
         (out / "results.json").write_text(json.dumps(self.to_dict(), indent=2))
         t = self.timing
         (out / "report.md").write_text(
@@ -227,6 +231,11 @@ def run_experiment(cfg: RunConfig, progress: Progress | None = None) -> RunResul
             # Only the scaled update leaves the client, and only into secure aggregation.
             sa.submit(c, {k: v.detach().float().cpu() * scales[c] for k, v in update.items()})
         timing["train_s"] += time.perf_counter() - t0
+        # The round's aggregate first: training needs it whatever the release policy admits.
+        t0 = time.perf_counter()
+        total = sa.subset_sum(participants)
+        mean_update = {k: v / len(participants) for k, v in total.items()}
+        timing["sa_s"] += time.perf_counter() - t0
         reference = strategy.scoring_params(state)
         bar = tqdm(
             total=len(participants),
@@ -250,10 +259,6 @@ def run_experiment(cfg: RunConfig, progress: Progress | None = None) -> RunResul
         timing["scoring_s"] += (time.perf_counter() - t0) - sum(
             r.sa_seconds + r.score_seconds for r in record.targets
         )
-        t0 = time.perf_counter()
-        total = sa.subset_sum(participants)
-        mean_update = {k: v / len(participants) for k, v in total.items()}
-        timing["sa_s"] += time.perf_counter() - t0
         state = strategy.apply_aggregate(state, mean_update)
         sa.close_round()
         rec = record.to_dict()
@@ -274,4 +279,5 @@ def run_experiment(cfg: RunConfig, progress: Progress | None = None) -> RunResul
         "client_sizes": sizes,
         "detect_prompts": len(fed.detect_prompts),
     }
-    return RunResult(replace(cfg), report, records, len(sa.log), timing, federation)
+    queries = [q.to_dict() for q in sa.log]
+    return RunResult(replace(cfg), report, records, len(sa.log), timing, federation, queries)

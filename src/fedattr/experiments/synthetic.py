@@ -31,6 +31,7 @@ from ..attribution.stouffer import AttributionReport
 from ..config import to_dict
 from ..reporting import plot_attribution
 from ..secagg import SecAggConfig, make_aggregator
+from .config import harden
 
 
 @dataclass
@@ -92,6 +93,9 @@ class DemoConfig:
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
     attribution: AttributionConfig = field(default_factory=AttributionConfig)
 
+    def __post_init__(self) -> None:
+        harden(self.attribution, self.secagg, self.synthetic.K)
+
 
 @dataclass
 class DemoResult:
@@ -102,11 +106,13 @@ class DemoResult:
     rounds: list[dict]
     sa_queries: int
     timing: dict[str, float]
+    queries: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-ready form (the layout of a run's results.json)."""
         out = self.report.to_dict()
         out.update(
+            mode=self.config.attribution.mode,
             sa_queries=self.sa_queries,
             sa_backend=self.config.secagg.backend,
             timing=self.timing,
@@ -122,6 +128,7 @@ class DemoResult:
         with open(out / "rounds.jsonl", "w") as fh:
             for r in self.rounds:
                 fh.write(json.dumps(r) + "\n")
+        write_query_log(out / "queries.jsonl", self.queries)
         (out / "results.json").write_text(json.dumps(self.to_dict(), indent=2))
         (out / "report.md").write_text(
             "# FedAttr synthetic protocol run\n\n"
@@ -184,14 +191,24 @@ def run_demo(
         sa.open_round(t, clients)
         for j, delta in updates.items():
             sa.submit(j, delta)
-        record = fedattr.attribute_round(t, sa, w, scorer, on_target=on_target)
+        # The round's aggregate first: training needs it whatever the release policy admits.
         t0 = time.perf_counter()
-        w = w + sa.subset_sum(clients) / syn.K  # FedAvg from the SA aggregate only
+        aggregate = sa.subset_sum(clients) / syn.K  # FedAvg from the SA aggregate only
         timing["sa_s"] += time.perf_counter() - t0
+        record = fedattr.attribute_round(t, sa, w, scorer, on_target=on_target)
+        w = w + aggregate
         sa.close_round()
         records.append(record.to_dict())
         zs = " ".join(f"{r.target}:{r.z['score']:+.1f}" for r in record.targets)
         say(f"[round {t}/{syn.rounds}] differential scores {zs}")
     timing["total_s"] = time.perf_counter() - start
     truth = {j: j in wm for j in clients}
-    return DemoResult(cfg, fedattr.report(truth), records, len(sa.log), timing)
+    queries = [q.to_dict() for q in sa.log]
+    return DemoResult(cfg, fedattr.report(truth), records, len(sa.log), timing, queries)
+
+
+def write_query_log(path: Path, queries: list[dict]) -> None:
+    """One JSON line per answered SA query: round, subset, coefficients, cost; never a result."""
+    with open(path, "w") as fh:
+        for q in queries:
+            fh.write(json.dumps(q) + "\n")

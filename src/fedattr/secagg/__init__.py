@@ -14,6 +14,7 @@ from .errors import QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
 from .pairwise_mask import PairwiseMaskAggregator
 from .plaintext import PlaintextAggregator
+from .policy import ReleasePolicy, joint_leakage, single_estimate_budget
 from .prg import PRG_NAMES
 from .two_server import TwoServerAggregator
 
@@ -38,6 +39,10 @@ class SecAggConfig:
     """Largest allowed |coordinate| of an update; larger is an error, not a silent clip."""
     prg: str = "aes-ctr"
     """Mask generator: ``aes-ctr`` or ``chacha20``."""
+    release_budget: float = 0.0
+    """Release policy: 0 = none (the paper's protocol); > 0 = refuse any query that would make
+    a client exactly recoverable or push its joint leakage over this many nats per dimension
+    (``inf`` = forbid exact recovery only). Enforced by the party that unmasks."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -50,6 +55,10 @@ class SecAggConfig:
             raise SecAggError(
                 f"secagg.min_members: must be an integer >= 1, got {self.min_members!r}"
             )
+        if not self.release_budget >= 0:
+            raise SecAggError(
+                f"secagg.release_budget: must be >= 0 (0 = no policy), got {self.release_budget}"
+            )
         self.codec()  # validates ring_bits, frac_bits and clip together
 
     def codec(self) -> FixedPointCodec:
@@ -60,9 +69,10 @@ class SecAggConfig:
 def make_aggregator(config: SecAggConfig) -> SecureAggregator:
     """Build the configured backend."""
     cls = BACKENDS[config.backend]
+    budget = config.release_budget or None
     if cls is PlaintextAggregator:
-        return cls(config.min_members, config.codec())
-    return cls(config.min_members, config.codec(), prg=config.prg)
+        return cls(config.min_members, config.codec(), release_budget=budget)
+    return cls(config.min_members, config.codec(), release_budget=budget, prg=config.prg)
 
 
 __all__ = [
@@ -72,9 +82,12 @@ __all__ = [
     "PlaintextAggregator",
     "QueryRecord",
     "QueryRefused",
+    "ReleasePolicy",
     "SecAggConfig",
     "SecAggError",
     "SecureAggregator",
     "TwoServerAggregator",
+    "joint_leakage",
     "make_aggregator",
+    "single_estimate_budget",
 ]

@@ -2,18 +2,22 @@
 
 Per round: the server opens the round with the participating client ids, each client submits
 its update, and the server may then ask only for subset sums ``S(W) = sum_{j in W} Delta_j``
-with ``|W| >= min_members``. Every answered query is logged for overhead accounting.
+with ``|W| >= min_members``, or for one *fused* combination ``sum_j (c_j / d) Delta_j`` with
+integer ``c_j`` over at least ``min_members`` clients (FedAttr's estimate in one SA session, so
+the 2M subset sums behind it are never released). Every answered query is logged with its
+coefficients (never its result) for overhead accounting and privacy audits.
 
-Backends implement three hooks (``_receive``, ``_sum``, ``_drop_round``); this base class owns
-round bookkeeping, query validation, layouts and logging, so all backends refuse exactly the
-same queries with exactly the same messages.
+Backends implement three hooks (``_receive``, ``_combine``, ``_drop_round``); this base class
+owns round bookkeeping, query validation, layouts and logging, so all backends refuse exactly
+the same queries with exactly the same messages. An optional :class:`ReleasePolicy` is enforced
+by ``_authorize``, which real backends override so that the party that unmasks enforces it.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -22,6 +26,7 @@ import numpy as np
 from ..updates import Update, UpdateLayout
 from .errors import QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
+from .policy import ReleasePolicy
 
 
 @dataclass(frozen=True)
@@ -39,11 +44,15 @@ class QueryRecord:
     bytes_moved: int
     seconds: float
     client_seconds_max: float = 0.0
+    coefficients: tuple[int, ...] = ()
+    """Integer weight of each member of ``subset`` (all 1 for a subset sum)."""
+    denominator: int = 1
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
         d = asdict(self)
         d["subset"] = list(self.subset)
+        d["coefficients"] = list(self.coefficients or (1,) * len(self.subset))
         return d
 
 
@@ -54,14 +63,23 @@ class SecureAggregator(ABC):
     holds_plaintext: ClassVar[bool] = False
     """True only for the reference backend, which sees every individual update."""
 
-    def __init__(self, min_members: int = 2, codec: FixedPointCodec | None = None) -> None:
+    def __init__(
+        self,
+        min_members: int = 2,
+        codec: FixedPointCodec | None = None,
+        release_budget: float | None = None,
+    ) -> None:
         if not isinstance(min_members, int) or min_members < 1:
             raise SecAggError(f"min_members: must be an integer >= 1, got {min_members!r}")
+        if release_budget is not None and not release_budget > 0:
+            raise SecAggError(f"release_budget: must be > 0 nats (or None), got {release_budget}")
         self.min_members = min_members
         self.codec = codec or FixedPointCodec()
+        self.release_budget = release_budget
         self.log: list[QueryRecord] = []
         self.upload_bytes = 0
         self._round: int | None = None
+        self._policy: ReleasePolicy | None = None
         self._clients: tuple[int, ...] = ()
         self._submitted: set[int] = set()
         self._layout: UpdateLayout | None = None
@@ -100,6 +118,9 @@ class SecureAggregator(ABC):
         self.codec.check_capacity(len(ids))
         self._round, self._clients = int(round_id), ids
         self._submitted, self._layout, self._next_query = set(), None, 0
+        self._policy = self._new_policy()
+        if self._policy is not None:
+            self._policy.reset(ids)
         self._start_round(self._round, ids)
 
     def submit(self, client_id: int, update: Update) -> None:
@@ -126,12 +147,48 @@ class SecureAggregator(ABC):
     def subset_sum_flat(self, subset: Iterable[int]) -> np.ndarray:
         """``S(W)`` as a flat float64 vector (see :class:`~fedattr.updates.UpdateLayout`)."""
         members = self._validate(subset)
+        return self._run(members, (1,) * len(members), 1)
+
+    def combination_flat(self, coefficients: Mapping[int, int], denominator: int = 1) -> np.ndarray:
+        """Fused query: ``sum_j (c_j / denominator) Delta_j`` in one SA session.
+
+        Coefficients are integers (FedAttr's are multiples of 1/M: pass ``M * coef`` and
+        ``denominator = M``), so clients scale their ring encodings exactly; clients with
+        coefficient 0 take no part, and at least ``min_members`` must remain.
+        """
+        if not isinstance(denominator, int) or denominator < 1:
+            raise QueryRefused(
+                f"query refused: denominator must be an integer >= 1, got {denominator!r}"
+            )
+        bad = {c: v for c, v in coefficients.items() if not isinstance(v, (int, np.integer))}
+        if bad:
+            raise QueryRefused(f"query refused: coefficients must be integers, got {bad}")
+        nonzero = {int(c): int(v) for c, v in coefficients.items() if v != 0}
+        members = self._validate(nonzero)
+        coefs = tuple(nonzero[c] for c in members)
+        limit = self.codec.max_members()
+        if sum(abs(v) for v in coefs) > limit:
+            raise QueryRefused(
+                f"query refused: sum of |coefficients| {sum(abs(v) for v in coefs)} exceeds what "
+                f"the ring holds without overflow ({limit}); use ring_bits=64 or lower frac_bits"
+            )
+        return self._run(members, coefs, denominator) / denominator
+
+    def _run(
+        self, members: tuple[int, ...], coefs: tuple[int, ...], denominator: int
+    ) -> np.ndarray:
         query_id = self._next_query
         start = time.perf_counter()
-        total, moved, client_max = self._sum(members, query_id)
+        self._authorize(members, coefs)
+        total, moved, client_max = self._combine(members, coefs, query_id)
+        self._answered(members, coefs)
         seconds = time.perf_counter() - start
         self._next_query += 1
-        self.log.append(QueryRecord(self._round, query_id, members, moved, seconds, client_max))
+        self.log.append(
+            QueryRecord(
+                self._round, query_id, members, moved, seconds, client_max, coefs, denominator
+            )
+        )
         return total
 
     def close_round(self) -> None:
@@ -142,7 +199,7 @@ class SecureAggregator(ABC):
         self._round, self._clients, self._submitted = None, (), set()
 
     # -- validation -------------------------------------------------------------------------
-    def _validate(self, subset: Iterable[int]) -> tuple[int, ...]:
+    def _validate(self, subset: Iterable[int] | Mapping[int, int]) -> tuple[int, ...]:
         if self._round is None:
             raise QueryRefused(
                 "query refused: no round is open (the round was closed or never opened)"
@@ -181,8 +238,34 @@ class SecureAggregator(ABC):
         """Take a client's flattened update into the protocol."""
 
     @abstractmethod
-    def _sum(self, members: tuple[int, ...], query_id: int) -> tuple[np.ndarray, int, float]:
-        """Run one query; return (sum as float64, bytes moved, slowest client's seconds)."""
+    def _combine(
+        self, members: tuple[int, ...], coefs: tuple[int, ...], query_id: int
+    ) -> tuple[np.ndarray, int, float]:
+        """Run one query for ``sum_j coefs[j] Delta_members[j]``; return (result as float64,
+        bytes moved, slowest client's seconds)."""
+
+    def _authorize(self, members: tuple[int, ...], coefs: tuple[int, ...]) -> None:
+        """Enforce the release policy before a query runs (here: in the server object, which
+        only the plaintext reference relies on; real backends override this)."""
+        if self._policy is not None:
+            self._policy.check(dict(zip(members, coefs, strict=True)))
+
+    def _answered(self, members: tuple[int, ...], coefs: tuple[int, ...]) -> None:
+        """Record an answered query with whoever enforces the policy."""
+        if self._policy is not None:
+            self._policy.record(dict(zip(members, coefs, strict=True)))
+
+    def _new_policy(self) -> ReleasePolicy | None:
+        return None if self.release_budget is None else ReleasePolicy(self.release_budget)
+
+    def leakage(self) -> dict[int, float]:
+        """Joint leakage ``L_j`` of this round's answered queries (from the query log)."""
+        rows = [r for r in self.log if r.round == self._round]
+        policy = ReleasePolicy()
+        policy.reset(self._clients)
+        for r in rows:
+            policy.record(dict(zip(r.subset, r.coefficients, strict=True)))
+        return policy.leakage()
 
     @abstractmethod
     def _drop_round(self) -> None:

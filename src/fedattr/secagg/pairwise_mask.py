@@ -67,14 +67,24 @@ class MaskingClient:
         self._encoded = self._codec.encode(flat)
 
     def masked_input(
-        self, round_id: int, query_id: int, members: Sequence[int], public_keys: dict[int, bytes]
+        self,
+        round_id: int,
+        query_id: int,
+        members: Sequence[int],
+        public_keys: dict[int, bytes],
+        coefficient: int = 1,
     ) -> np.ndarray:
-        """The client's upload for one query over ``members`` (which must include it)."""
+        """The client's upload for one query over ``members`` (which must include it).
+
+        ``coefficient`` scales the encoded update in the ring (exact for integers, negative
+        ones included), for fused queries.
+        """
         if self._encoded is None:
             raise SecAggError(f"client {self.client_id} holds no update this round")
         if self.client_id not in members:
             raise SecAggError(f"client {self.client_id} was asked to join a query it is not in")
-        y = self._encoded.copy()
+        ring = self._encoded.dtype.type
+        y = self._encoded * ring(coefficient % (1 << (8 * self._codec.itemsize)))
         for other in members:
             if other == self.client_id:
                 continue
@@ -102,9 +112,11 @@ class PairwiseMaskServer:
         round_id: int,
         query_id: int,
         members: tuple[int, ...],
-        collect: Callable[[int, int, int, tuple[int, ...], dict[int, bytes]], np.ndarray],
+        collect: Callable[..., np.ndarray],
     ) -> tuple[np.ndarray, int]:
-        """Announce the query, collect every member's masked upload, return their ring sum."""
+        """Announce the query, collect every member's masked upload, return their ring sum.
+
+        The server never sees coefficients applied: each member scales its own input."""
         total: np.ndarray | None = None
         moved = 0
         for j in members:
@@ -121,32 +133,53 @@ class PairwiseMaskAggregator(SecureAggregator):
     name = "pairwise-mask"
 
     def __init__(
-        self, min_members: int = 2, codec: FixedPointCodec | None = None, prg: str = "aes-ctr"
+        self,
+        min_members: int = 2,
+        codec: FixedPointCodec | None = None,
+        release_budget: float | None = None,
+        prg: str = "aes-ctr",
     ) -> None:
-        super().__init__(min_members, codec)
+        super().__init__(min_members, codec, release_budget)
         if prg not in PRG_NAMES:
             raise SecAggError(f"prg: unknown generator {prg!r}; allowed: {', '.join(PRG_NAMES)}")
         self.prg = prg
         self.server = PairwiseMaskServer()
         self._parties: dict[int, MaskingClient] = {}
         self._client_seconds: list[float] = []
+        self._coefs: dict[int, int] = {}
+        # The release policy lives with the clients: each member consults the same record of
+        # what this round has released (a client-side ledger), not the server.
+        self._client_policy = None
 
     def _start_round(self, round_id, client_ids) -> None:
         # Fresh key pairs every round (forward secrecy between rounds, as in Bonawitz et al.).
         self._parties = {c: MaskingClient(c, self.codec, self.prg) for c in client_ids}
         self.server.public_keys = {c: p.public_key for c, p in self._parties.items()}
+        self._client_policy = self._policy
+        self._policy = None  # the server-side object enforces nothing
+
+    def _authorize(self, members, coefs) -> None:
+        if self._client_policy is not None:
+            self._client_policy.check(dict(zip(members, coefs, strict=True)))
+
+    def _answered(self, members, coefs) -> None:
+        if self._client_policy is not None:
+            self._client_policy.record(dict(zip(members, coefs, strict=True)))
 
     def _receive(self, client_id: int, flat: np.ndarray) -> None:
         self._parties[client_id].hold(flat)
 
     def _collect(self, client_id, round_id, query_id, members, public_keys) -> np.ndarray:
         start = time.perf_counter()
-        y = self._parties[client_id].masked_input(round_id, query_id, members, public_keys)
+        y = self._parties[client_id].masked_input(
+            round_id, query_id, members, public_keys, self._coefs.get(client_id, 1)
+        )
         self._client_seconds.append(time.perf_counter() - start)
         return y
 
-    def _sum(self, members, query_id):
+    def _combine(self, members, coefs, query_id):
         self._client_seconds = []
+        self._coefs = dict(zip(members, coefs, strict=True))
         ring_sum, moved = self.server.run_query(self.round, query_id, members, self._collect)
         moved += 32 * len(members) * (len(members) - 1)  # public keys relayed to members
         return self.codec.decode(ring_sum), moved, max(self._client_seconds)

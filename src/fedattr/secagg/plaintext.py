@@ -20,10 +20,10 @@ class PlaintextAggregator(SecureAggregator):
         self._updates[client_id] = flat
         self.upload_bytes += flat.nbytes
 
-    def _sum(self, members, query_id):
+    def _combine(self, members, coefs, query_id):
         total = np.zeros_like(self._updates[members[0]])
-        for j in members:
-            total += self._updates[j]
+        for j, c in zip(members, coefs, strict=True):
+            total += c * self._updates[j]
         return total, total.nbytes * len(members), 0.0
 
     def _drop_round(self) -> None:

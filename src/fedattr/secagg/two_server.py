@@ -16,6 +16,7 @@ import numpy as np
 from .base import SecureAggregator
 from .errors import QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
+from .policy import ReleasePolicy
 from .prg import PRG_NAMES, expand
 
 
@@ -26,17 +27,38 @@ class ShareHolder:
         self.label = label
         self.min_members = min_members
         self.shares: dict[int, np.ndarray] = {}
+        self.policy: ReleasePolicy | None = None
 
-    def partial_sum(self, members: tuple[int, ...]) -> np.ndarray:
-        """Ring sum of this aggregator's shares over ``members`` (its own threshold check)."""
+    def authorize(self, members: tuple[int, ...], coefs: tuple[int, ...]) -> None:
+        """This aggregator's own threshold and release-policy checks."""
         if len(members) < self.min_members:
             raise QueryRefused(
                 f"aggregator {self.label} refused: subset size {len(members)} is below "
                 f"min_members={self.min_members}"
             )
-        total = self.shares[members[0]].copy()
-        for j in members[1:]:
-            total += self.shares[j]
+        if self.policy is not None:
+            try:
+                self.policy.check(dict(zip(members, coefs, strict=True)))
+            except QueryRefused as exc:
+                raise QueryRefused(f"aggregator {self.label}: {exc}") from exc
+
+    def partial_sum(
+        self, members: tuple[int, ...], coefs: tuple[int, ...] | None = None
+    ) -> np.ndarray:
+        """Ring combination of this aggregator's shares over ``members``, after its checks."""
+        coefs = coefs or (1,) * len(members)
+        self.authorize(members, coefs)
+        return self.release(members, coefs)
+
+    def release(self, members: tuple[int, ...], coefs: tuple[int, ...]) -> np.ndarray:
+        """Compute and record a combination already authorised by :meth:`authorize`."""
+        dtype = self.shares[members[0]].dtype
+        total = np.zeros_like(self.shares[members[0]])
+        for j, c in zip(members, coefs, strict=True):
+            # Integer scaling in the ring; c mod 2^b encodes negative coefficients.
+            total += self.shares[j] * dtype.type(c % (1 << (8 * dtype.itemsize)))
+        if self.policy is not None:
+            self.policy.record(dict(zip(members, coefs, strict=True)))
         return total
 
 
@@ -46,9 +68,13 @@ class TwoServerAggregator(SecureAggregator):
     name = "two-server"
 
     def __init__(
-        self, min_members: int = 2, codec: FixedPointCodec | None = None, prg: str = "aes-ctr"
+        self,
+        min_members: int = 2,
+        codec: FixedPointCodec | None = None,
+        release_budget: float | None = None,
+        prg: str = "aes-ctr",
     ) -> None:
-        super().__init__(min_members, codec)
+        super().__init__(min_members, codec, release_budget)
         if prg not in PRG_NAMES:
             raise SecAggError(f"prg: unknown generator {prg!r}; allowed: {', '.join(PRG_NAMES)}")
         self.prg = prg
@@ -65,9 +91,25 @@ class TwoServerAggregator(SecureAggregator):
         self.aggregator_b.shares[client_id] = encoded - mask
         self.upload_bytes += 32 + encoded.nbytes
 
-    def _sum(self, members, query_id):
-        part_a = self.aggregator_a.partial_sum(members)
-        part_b = self.aggregator_b.partial_sum(members)
+    def _start_round(self, round_id, client_ids) -> None:
+        # Each aggregator keeps its own ledger of released combinations.
+        for holder in (self.aggregator_a, self.aggregator_b):
+            holder.policy = self._new_policy()
+            if holder.policy is not None:
+                holder.policy.reset(client_ids)
+        self._policy = None
+
+    def _authorize(self, members, coefs) -> None:
+        self.aggregator_a.authorize(members, coefs)
+        self.aggregator_b.authorize(members, coefs)
+
+    def _answered(self, members, coefs) -> None:
+        pass  # each aggregator records the release itself in partial_sum
+
+    def _combine(self, members, coefs, query_id):
+        # Both aggregators authorised the query in _authorize: neither computes unless both agree.
+        part_a = self.aggregator_a.release(members, coefs)
+        part_b = self.aggregator_b.release(members, coefs)
         return self.codec.decode(part_a + part_b), part_a.nbytes + part_b.nbytes, 0.0
 
     def _drop_round(self) -> None:

@@ -1,0 +1,148 @@
+"""Joint-release leakage: audit, fused queries, SA-side release policy, hardened mode."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedattr.attribution import AttributionConfig, draw_design, estimate_update
+from fedattr.attribution.audit import audit_queries, audit_run
+from fedattr.attribution.estimator import estimate_update_fused
+from fedattr.cli import main
+from fedattr.experiments.synthetic import DemoConfig, SyntheticConfig, run_demo
+from fedattr.secagg import (
+    BACKENDS,
+    QueryRefused,
+    ReleasePolicy,
+    SecAggConfig,
+    make_aggregator,
+    single_estimate_budget,
+)
+
+K, N, M = 10, 5, 5
+QUIET = {"progress": lambda _m: None}
+
+
+def _sa(backend, budget=0.0, D=16):
+    gen = torch.Generator().manual_seed(1)
+    ups = {j: torch.randn(D, generator=gen, dtype=torch.float64) for j in range(K)}
+    sa = make_aggregator(SecAggConfig(backend=backend, min_members=N, release_budget=budget))
+    sa.open_round(1, range(K))
+    for j, u in ups.items():
+        sa.submit(j, u)
+    return sa, ups
+
+
+def test_single_estimate_leakage_is_the_paper_gaussian_term():
+    for seed in range(5):
+        d = draw_design(range(K), 3, N, M, np.random.default_rng(seed))
+        policy = ReleasePolicy()
+        policy.reset(range(K))
+        policy.record(d.coefficients())
+        assert policy.leakage()[3] == pytest.approx(0.5 * math.log1p(1 / d.stats.c), rel=1e-9)
+        assert policy.leakage()[3] <= single_estimate_budget(K, N, M) + 1e-12
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_fused_query_gives_the_subset_sum_estimate(backend):
+    sa, ups = _sa(backend)
+    d = draw_design(range(K), 2, N, M, np.random.default_rng(4), min_members=N)
+    fused = estimate_update_fused(sa, d)
+    assert sa.log[-1].subset == tuple(j for j, c in d.integer_coefficients().items() if c)
+    assert sa.log[-1].denominator == M
+    assert np.allclose(fused, estimate_update(sa, d), atol=1e-9)
+    exact = sum(d.coefficients()[j] * ups[j].numpy() for j in range(K))
+    assert np.allclose(fused, exact, atol=1e-8)
+
+
+def test_fused_query_input_checks():
+    sa, _ = _sa("pairwise-mask")
+    with pytest.raises(QueryRefused, match="coefficients must be integers"):
+        sa.combination_flat({0: 0.5, 1: 1, 2: 1, 3: 1, 4: 1})
+    with pytest.raises(QueryRefused, match="below the secure-aggregation threshold"):
+        sa.combination_flat({0: 1, 1: -1, 2: 0, 3: 0, 4: 0, 5: 0})
+    with pytest.raises(QueryRefused, match="exceeds what the ring holds"):
+        sa.combination_flat(dict.fromkeys(range(6), 2**40))
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_release_policy_refuses_the_query_that_exposes_a_client(backend):
+    sa, _ = _sa(backend, budget=math.inf)  # forbid exact recovery only
+    answered = 0
+    with pytest.raises(QueryRefused, match="exactly recoverable") as info:
+        for i in range(K):
+            d = draw_design(range(K), i, N, M, np.random.default_rng([0, i]), min_members=N)
+            for subset in (*d.U, *d.V):
+                sa.subset_sum_flat(subset)
+                answered += 1
+    assert 0 < answered < 2 * M * K
+    if backend == "two-server":
+        assert "aggregator A" in str(info.value)
+    if backend == "pairwise-mask":
+        assert set(vars(sa.server)) == {"public_keys"}  # the server enforces nothing itself
+    assert not any(math.isinf(v) for v in sa.leakage().values())
+
+
+def test_budgeted_policy_admits_one_estimate_but_not_all():
+    budget = single_estimate_budget(K, N, M)
+    sa, _ = _sa("pairwise-mask", budget=budget)
+    sa.subset_sum_flat(range(K))  # the FL aggregate
+    admitted = 0
+    for i in range(K):
+        d = draw_design(range(K), i, N, M, np.random.default_rng([1, i]), min_members=N)
+        try:
+            estimate_update_fused(sa, d)
+            admitted += 1
+        except QueryRefused as exc:
+            assert "release policy" in str(exc)
+    assert 1 <= admitted < K
+    assert max(sa.leakage().values()) <= budget + 1e-12
+
+
+@pytest.mark.parametrize("backend", ["plaintext", "pairwise-mask"])
+def test_reconstruction_attack_recovers_every_update_in_paper_mode(backend):
+    sa, ups = _sa(backend, D=32)
+    rows, answers = [], []
+    for i in range(K):
+        d = draw_design(range(K), i, N, M, np.random.default_rng([0, i]), min_members=N)
+        for subset in (*d.U, *d.V):
+            row = np.zeros(K)
+            row[list(subset)] = 1
+            rows.append(row)
+            answers.append(sa.subset_sum_flat(subset))
+    recovered, *_ = np.linalg.lstsq(np.array(rows), np.array(answers), rcond=None)
+    truth = np.stack([ups[j].numpy() for j in range(K)])
+    assert np.max(np.abs(recovered - truth)) < 1e-8
+    assert all(math.isinf(v) for v in sa.leakage().values())
+
+
+def test_audit_of_paper_and_hardened_runs(tmp_path):
+    paper = run_demo(DemoConfig(synthetic=SyntheticConfig(dim=64, rounds=2)), **QUIET)
+    paper.write(tmp_path / "paper")
+    rounds = audit_run(tmp_path / "paper")
+    assert [r.recoverable for r in rounds] == [list(range(K))] * 2
+    hard_cfg = DemoConfig(
+        synthetic=SyntheticConfig(dim=64, rounds=3),
+        attribution=AttributionConfig(mode="hardened"),
+    )
+    assert hard_cfg.secagg.release_budget == pytest.approx(single_estimate_budget(K, N, M))
+    hard = run_demo(hard_cfg, **QUIET)
+    hard.write(tmp_path / "hard")
+    audited = audit_run(tmp_path / "hard")
+    assert all(not r.recoverable for r in audited)
+    assert max(r.max_leakage for r in audited) <= hard_cfg.secagg.release_budget + 1e-12
+    # Fused queries: one SA session per admitted target plus the round's aggregate.
+    targeted = sum(len(r["targets"]) for r in hard.rounds)
+    assert hard.sa_queries == targeted + 3
+    assert main(["audit", str(tmp_path / "hard"), "--json"]) == 0
+
+
+def test_hardened_mode_reaches_full_attribution_with_more_rounds():
+    cfg = DemoConfig(
+        synthetic=SyntheticConfig(rounds=20),
+        attribution=AttributionConfig(mode="hardened"),
+    )
+    rep = run_demo(cfg, **QUIET).report
+    assert rep.tpr == 1.0 and rep.fpr == 0.0
+    assert audit_queries([]) == []
