@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..secagg.base import SecureAggregator
-from ..secagg.errors import QueryRefused
+from ..secagg.errors import QueryFailed, QueryRefused
 from ..updates import add_update
 from .design import DesignError, draw_design, validate_parameters
 from .estimator import estimate_update, estimate_update_fused
@@ -37,7 +37,8 @@ class AttributionConfig:
     ``hardened``: one fused query per target, and only targets the SA release policy admits
     (rotating, seeded order); Stouffer runs over each client's targeted rounds."""
     policy_attempts: int = 20
-    """Hardened mode: designs tried per target before it is skipped for the round."""
+    """Designs tried per target (after release-policy refusals or failed queries) before the
+    target is skipped for the round."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("paper", "hardened"):
@@ -88,7 +89,9 @@ class RoundRecord:
     reference_score: dict[str, float]
     targets: list[TargetRecord] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
-    """Hardened mode: targets the release policy did not admit this round."""
+    """Targets not attributed this round (release policy refused, or the target dropped out)."""
+    dropouts: list[int] = field(default_factory=list)
+    """Clients that failed to answer an SA query this round (excluded from later designs)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -131,14 +134,23 @@ class FedAttr:
             # Rotate who goes first, so that over rounds every client gets admitted.
             shift = int(np.random.default_rng([cfg.seed, round_id, 1]).integers(len(order)))
             order = order[shift:] + order[:shift]
+        seen_missing: set[int] = set()
         for target in order:
             rng = np.random.default_rng([cfg.seed, round_id, target])
             t0 = time.perf_counter()
-            flat, design, attempts = None, None, 0
-            while flat is None and attempts < (cfg.policy_attempts if hardened else 1):
+            flat, design, attempts, refusals = None, None, 0, 0
+            # Offline clients are left out of every design; a client that failed to answer is
+            # left out of this target's redraws (failures may be transient).
+            missing = set(sa.offline)
+            while flat is None and target not in missing and attempts < cfg.policy_attempts:
+                available = [p for p in participants if p not in missing]
+                try:
+                    validate_parameters(len(available), cfg.N, cfg.M, sa.min_members)
+                except DesignError:
+                    break  # too few clients answer for a valid design this round
                 attempts += 1
                 design = draw_design(
-                    participants,
+                    available,
                     target,
                     cfg.N,
                     cfg.M,
@@ -146,13 +158,21 @@ class FedAttr:
                     min_members=sa.min_members,
                     max_redraws=cfg.max_redraws,
                 )
-                if not hardened:
-                    flat = estimate_update(sa, design)
-                    break
                 try:
-                    flat = estimate_update_fused(sa, design)
+                    if hardened:
+                        flat = estimate_update_fused(sa, design)
+                    else:
+                        flat = estimate_update(sa, design)
+                except QueryFailed as exc:
+                    # Nothing was released; redraw without the clients that did not answer.
+                    missing.update(exc.missing)
+                    seen_missing.update(exc.missing)
                 except QueryRefused:
-                    flat = None  # the release policy said no: try another design
+                    if not hardened:
+                        raise
+                    refusals += 1  # the release policy said no: try another design
+                    if refusals >= cfg.policy_attempts:
+                        break
             if flat is None:
                 record.skipped.append(target)
                 continue
@@ -181,6 +201,7 @@ class FedAttr:
             record.targets.append(target_record)
             if on_target is not None:
                 on_target(target_record)
+        record.dropouts = sorted(seen_missing | set(sa.offline))
         self.rounds.append(record)
         return record
 

@@ -233,8 +233,11 @@ def run_experiment(cfg: RunConfig, progress: Progress | None = None) -> RunResul
         timing["train_s"] += time.perf_counter() - t0
         # The round's aggregate first: training needs it whatever the release policy admits.
         t0 = time.perf_counter()
-        total = sa.subset_sum(participants)
-        mean_update = {k: v / len(participants) for k, v in total.items()}
+        total, answered = sa.sum_of_available(participants)
+        # Clients submitted n * p_i * Delta_i: dividing by the answering clients' sum of n * p_i
+        # gives the sample-weighted mean over whoever answered (all of them without dropouts).
+        weight = sum(scales[c] for c in answered)
+        mean_update = {k: v / weight for k, v in total.items()}
         timing["sa_s"] += time.perf_counter() - t0
         reference = strategy.scoring_params(state)
         bar = tqdm(

@@ -193,7 +193,8 @@ def run_demo(
             sa.submit(j, delta)
         # The round's aggregate first: training needs it whatever the release policy admits.
         t0 = time.perf_counter()
-        aggregate = sa.subset_sum(clients) / syn.K  # FedAvg from the SA aggregate only
+        total, answered = sa.sum_of_available(clients)
+        aggregate = total / len(answered)  # FedAvg from the SA aggregate only
         timing["sa_s"] += time.perf_counter() - t0
         record = fedattr.attribute_round(t, sa, w, scorer, on_target=on_target)
         w = w + aggregate

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import QueryRecord, SecureAggregator
-from .errors import QueryRefused, SecAggError
+from .errors import QueryFailed, QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
 from .pairwise_mask import PairwiseMaskAggregator
 from .plaintext import PlaintextAggregator
@@ -39,6 +39,10 @@ class SecAggConfig:
     """Largest allowed |coordinate| of an update; larger is an error, not a silent clip."""
     prg: str = "aes-ctr"
     """Mask generator: ``aes-ctr`` or ``chacha20``."""
+    dropout: float = 0.0
+    """pairwise-mask only: chance that a member fails to answer a given query (simulated
+    network failure, seeded); the query then fails and releases nothing."""
+    seed: int = 0
     release_budget: float = 0.0
     """Release policy: 0 = none (the paper's protocol); > 0 = refuse any query that would make
     a client exactly recoverable or push its joint leakage over this many nats per dimension
@@ -59,6 +63,8 @@ class SecAggConfig:
             raise SecAggError(
                 f"secagg.release_budget: must be >= 0 (0 = no policy), got {self.release_budget}"
             )
+        if not 0.0 <= self.dropout < 1.0:
+            raise SecAggError(f"secagg.dropout: must be in [0, 1), got {self.dropout}")
         self.codec()  # validates ring_bits, frac_bits and clip together
 
     def codec(self) -> FixedPointCodec:
@@ -72,6 +78,15 @@ def make_aggregator(config: SecAggConfig) -> SecureAggregator:
     budget = config.release_budget or None
     if cls is PlaintextAggregator:
         return cls(config.min_members, config.codec(), release_budget=budget)
+    if cls is PairwiseMaskAggregator:
+        return cls(
+            config.min_members,
+            config.codec(),
+            release_budget=budget,
+            prg=config.prg,
+            dropout=config.dropout,
+            seed=config.seed,
+        )
     return cls(config.min_members, config.codec(), release_budget=budget, prg=config.prg)
 
 
@@ -80,6 +95,7 @@ __all__ = [
     "FixedPointCodec",
     "PairwiseMaskAggregator",
     "PlaintextAggregator",
+    "QueryFailed",
     "QueryRecord",
     "QueryRefused",
     "ReleasePolicy",

@@ -24,7 +24,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..updates import Update, UpdateLayout
-from .errors import QueryRefused, SecAggError
+from .errors import QueryFailed, QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
 from .policy import ReleasePolicy
 
@@ -80,6 +80,7 @@ class SecureAggregator(ABC):
         self.upload_bytes = 0
         self._round: int | None = None
         self._policy: ReleasePolicy | None = None
+        self._offline: set[int] = set()
         self._clients: tuple[int, ...] = ()
         self._submitted: set[int] = set()
         self._layout: UpdateLayout | None = None
@@ -118,6 +119,7 @@ class SecureAggregator(ABC):
         self.codec.check_capacity(len(ids))
         self._round, self._clients = int(round_id), ids
         self._submitted, self._layout, self._next_query = set(), None, 0
+        self._offline: set[int] = set()
         self._policy = self._new_policy()
         if self._policy is not None:
             self._policy.reset(ids)
@@ -148,6 +150,19 @@ class SecureAggregator(ABC):
         """``S(W)`` as a flat float64 vector (see :class:`~fedattr.updates.UpdateLayout`)."""
         members = self._validate(subset)
         return self._run(members, (1,) * len(members), 1)
+
+    def sum_of_available(self, subset: Iterable[int]) -> tuple[Update, tuple[int, ...]]:
+        """``S(W')`` over the members of ``subset`` that answer, and ``W'`` itself.
+
+        A failed query releases nothing; it is re-run without the members that did not answer
+        (the FL aggregate of a round with dropouts), down to the threshold.
+        """
+        members = [c for c in subset if c not in self._offline]
+        while True:
+            try:
+                return self.subset_sum(members), tuple(sorted(members))
+            except QueryFailed as exc:
+                members = [c for c in members if c not in exc.missing]
 
     def combination_flat(self, coefficients: Mapping[int, int], denominator: int = 1) -> np.ndarray:
         """Fused query: ``sum_j (c_j / denominator) Delta_j`` in one SA session.
@@ -190,6 +205,22 @@ class SecureAggregator(ABC):
             )
         )
         return total
+
+    def drop(self, client_id: int) -> None:
+        """Simulate client ``client_id`` going offline for the rest of the round.
+
+        Whether that matters depends on the backend: pairwise masking needs every member online
+        at query time (the query fails with :class:`QueryFailed`); backends whose clients upload
+        once at submission (two-server, plaintext) are unaffected.
+        """
+        if client_id not in self._clients:
+            raise SecAggError(f"client_id: {client_id} is not registered for round {self._round}")
+        self._offline.add(client_id)
+
+    @property
+    def offline(self) -> frozenset[int]:
+        """Clients known to be offline in this round."""
+        return frozenset(self._offline)
 
     def close_round(self) -> None:
         """End the round: every party forgets this round's updates, shares and keys."""

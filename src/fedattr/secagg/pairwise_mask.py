@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .base import SecureAggregator
-from .errors import SecAggError
+from .errors import QueryFailed, SecAggError
 from .fixedpoint import FixedPointCodec
 from .prg import PRG_NAMES, expand
 
@@ -138,8 +138,14 @@ class PairwiseMaskAggregator(SecureAggregator):
         codec: FixedPointCodec | None = None,
         release_budget: float | None = None,
         prg: str = "aes-ctr",
+        dropout: float = 0.0,
+        seed: int = 0,
     ) -> None:
         super().__init__(min_members, codec, release_budget)
+        if not 0.0 <= dropout < 1.0:
+            raise SecAggError(f"dropout: must be in [0, 1), got {dropout}")
+        self.dropout = dropout
+        self._dropout_rng = np.random.default_rng([seed, 0xD509])
         if prg not in PRG_NAMES:
             raise SecAggError(f"prg: unknown generator {prg!r}; allowed: {', '.join(PRG_NAMES)}")
         self.prg = prg
@@ -178,6 +184,18 @@ class PairwiseMaskAggregator(SecureAggregator):
         return y
 
     def _combine(self, members, coefs, query_id):
+        # Who fails to answer this query: offline clients, plus transient failures at rate
+        # `dropout`. The server has then received some masked uploads, but their sum still
+        # carries the missing members' masks: it is useless, so it is discarded, not released.
+        transient = self._dropout_rng.random(len(members)) < self.dropout
+        missing = tuple(
+            j for j, t in zip(members, transient, strict=True) if j in self._offline or t
+        )
+        if missing:
+            raise QueryFailed(
+                f"query failed: members {list(missing)} did not answer; no sum was released",
+                missing,
+            )
         self._client_seconds = []
         self._coefs = dict(zip(members, coefs, strict=True))
         ring_sum, moved = self.server.run_query(self.round, query_id, members, self._collect)
