@@ -102,7 +102,7 @@ def train(
                     reduction="sum",
                 ) / max(1, n_tokens)
                 loss.backward()
-                batch_loss += float(loss)
+                batch_loss += float(loss.detach())
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()

@@ -178,6 +178,11 @@ class SecureAggregator(ABC):
         bad = {c: v for c, v in coefficients.items() if not isinstance(v, (int, np.integer))}
         if bad:
             raise QueryRefused(f"query refused: coefficients must be integers, got {bad}")
+        unknown = sorted(int(c) for c in coefficients if int(c) not in self._clients)
+        if unknown and self._round is not None:
+            raise QueryRefused(
+                f"query refused: clients {unknown} are not registered for round {self._round}"
+            )
         nonzero = {int(c): int(v) for c, v in coefficients.items() if v != 0}
         members = self._validate(nonzero)
         coefs = tuple(nonzero[c] for c in members)
