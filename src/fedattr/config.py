@@ -91,6 +91,12 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         raise ConfigError(str(exc)) from exc
 
 
+def check_client_ids(ids: list[int], K: int, key: str) -> None:
+    """Raise :class:`ConfigError` unless ``ids`` are distinct client ids in ``0..K-1``."""
+    if any(not 0 <= c < K for c in ids) or len(set(ids)) != len(ids):
+        raise ConfigError(f"{key}: ids must be distinct and in 0..{K - 1}, got {ids}")
+
+
 def to_dict(obj: Any) -> dict[str, Any]:
     """Plain-dict form of a config dataclass (for writing the resolved config)."""
     return dataclasses.asdict(obj)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..attribution.protocol import AttributionConfig
+from ..config import check_client_ids
 from ..models.config import LoRAConfig, ModelConfig
 from ..models.training import TrainSettings
 from ..secagg import SecAggConfig, single_estimate_budget
@@ -125,12 +126,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         wm = self.watermark
         if wm.clients is not None:
-            bad = [c for c in wm.clients if not 0 <= c < self.fl.K]
-            if bad or len(set(wm.clients)) != len(wm.clients):
-                raise ValueError(
-                    f"watermark.clients: ids must be distinct and in 0..{self.fl.K - 1}, "
-                    f"got {wm.clients}"
-                )
+            check_client_ids(wm.clients, self.fl.K, "watermark.clients")
         elif wm.r > self.fl.K:
             raise ValueError(f"watermark.r: must be in 0..fl.K={self.fl.K}, got {wm.r}")
         n = max(1, round(self.fl.participation * self.fl.K))

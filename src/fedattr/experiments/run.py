@@ -6,7 +6,6 @@ FedAttr on each round's SA queries -> report files.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -28,13 +27,12 @@ from ..models.loading import load_model
 from ..models.lora import attach_lora, trainable_lora_parameters
 from ..models.text import encode_examples, format_prompt
 from ..models.training import train
-from ..reporting import plot_attribution
+from ..reporting.run_folder import write_run_folder
 from ..secagg import make_aggregator
 from ..watermarks.kgw import KGWScheme
 from ..watermarks.radioactivity import KGWModelScorer
 from ..watermarks.teacher import watermark_records
 from .config import RunConfig
-from .synthetic import write_query_log
 
 Progress = Callable[[str], None]
 
@@ -145,28 +143,26 @@ class RunResult:
 
     def write(self, out_dir: str | Path) -> Path:
         """Write config.json, rounds.jsonl, results.json, report.md and attribution.png."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
-        with open(out / "rounds.jsonl", "w") as fh:
-            for r in self.rounds:
-                fh.write(json.dumps(r) + "\n")
-        write_query_log(out / "queries.jsonl", self.queries)
-        (out / "results.json").write_text(json.dumps(self.to_dict(), indent=2))
-        t = self.timing
-        (out / "report.md").write_text(
-            f"# FedAttr run: {self.config.fl.strategy}, KGW, {self.config.model.preset}\n\n"
-            f"K={self.config.fl.K}, T={self.config.fl.rounds}, N={self.config.attribution.N}, "
-            f"M={self.config.attribution.M}, SA backend `{self.config.secagg.backend}` "
-            f"({self.sa_queries} subset-sum queries).\n\n"
+        t, c = self.timing, self.config
+        report_md = (
+            f"# FedAttr run: {c.fl.strategy}, KGW, {c.model.preset} ({c.attribution.mode} mode)"
+            f"\n\nK={c.fl.K}, T={c.fl.rounds}, N={c.attribution.N}, M={c.attribution.M}, "
+            f"SA backend `{c.secagg.backend}` ({self.sa_queries} SA queries).\n\n"
             + self.report.to_markdown()
             + "\n\n| stage | seconds |\n|---|---|\n"
             + "".join(f"| {k} | {v:.1f} |\n" for k, v in t.items())
             + f"\nFedAttr overhead over FL training: {100 * t['overhead']:.1f}% "
-            "((SA + scoring) / training)\n\n![attribution](attribution.png)\n"
+            "((SA + scoring) / training)"
         )
-        plot_attribution(self.report, out / "attribution.png")
-        return out
+        return write_run_folder(
+            out_dir,
+            config=to_dict(c),
+            rounds=self.rounds,
+            queries=self.queries,
+            results=self.to_dict(),
+            report=self.report,
+            report_md=report_md,
+        )
 
 
 def run_experiment(cfg: RunConfig, progress: Progress | None = None) -> RunResult:

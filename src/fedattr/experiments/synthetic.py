@@ -14,7 +14,6 @@ each round against ``w^{t-1}``.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -28,8 +27,8 @@ from ..attribution.design import DesignError
 from ..attribution.protocol import AttributionConfig, FedAttr, TargetRecord
 from ..attribution.scoring import LinearScorer
 from ..attribution.stouffer import AttributionReport
-from ..config import to_dict
-from ..reporting import plot_attribution
+from ..config import check_client_ids, to_dict
+from ..reporting.run_folder import write_run_folder
 from ..secagg import SecAggConfig, make_aggregator
 from .config import harden
 
@@ -67,12 +66,7 @@ class SyntheticConfig:
         if self.watermarked is None and not 0 <= self.r <= self.K:
             raise DesignError(f"synthetic.r: must be in 0..K={self.K}, got {self.r}")
         if self.watermarked is not None:
-            bad = [c for c in self.watermarked if not 0 <= c < self.K]
-            if bad or len(set(self.watermarked)) != len(self.watermarked):
-                raise DesignError(
-                    f"synthetic.watermarked: ids must be distinct and in 0..{self.K - 1}, "
-                    f"got {self.watermarked}"
-                )
+            check_client_ids(self.watermarked, self.K, "synthetic.watermarked")
         for name in ("signal", "noise", "drift"):
             if not np.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise DesignError(f"synthetic.{name}: must be a finite number >= 0")
@@ -122,23 +116,21 @@ class DemoResult:
 
     def write(self, out_dir: str | Path) -> Path:
         """Write config.json, rounds.jsonl, results.json, report.md and attribution.png."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
-        with open(out / "rounds.jsonl", "w") as fh:
-            for r in self.rounds:
-                fh.write(json.dumps(r) + "\n")
-        write_query_log(out / "queries.jsonl", self.queries)
-        (out / "results.json").write_text(json.dumps(self.to_dict(), indent=2))
-        (out / "report.md").write_text(
-            "# FedAttr synthetic protocol run\n\n"
-            f"SA backend: `{self.config.secagg.backend}`; {self.sa_queries} subset-sum queries; "
+        report_md = (
+            f"# FedAttr synthetic protocol run ({self.config.attribution.mode} mode)\n\n"
+            f"SA backend: `{self.config.secagg.backend}`; {self.sa_queries} SA queries; "
             f"total {self.timing['total_s']:.2f} s (SA {self.timing['sa_s']:.2f} s).\n\n"
             + self.report.to_markdown()
-            + "\n\n![attribution](attribution.png)\n"
         )
-        plot_attribution(self.report, out / "attribution.png")
-        return out
+        return write_run_folder(
+            out_dir,
+            config=to_dict(self.config),
+            rounds=self.rounds,
+            queries=self.queries,
+            results=self.to_dict(),
+            report=self.report,
+            report_md=report_md,
+        )
 
 
 def _updates(
@@ -206,10 +198,3 @@ def run_demo(
     truth = {j: j in wm for j in clients}
     queries = [q.to_dict() for q in sa.log]
     return DemoResult(cfg, fedattr.report(truth), records, len(sa.log), timing, queries)
-
-
-def write_query_log(path: Path, queries: list[dict]) -> None:
-    """One JSON line per answered SA query: round, subset, coefficients, cost; never a result."""
-    with open(path, "w") as fh:
-        for q in queries:
-            fh.write(json.dumps(q) + "\n")
