@@ -35,18 +35,40 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .config import load
+    import shutil
+    from pathlib import Path
+
+    from .config import from_dict, load, to_dict
     from .experiments.config import PRESET_OVERRIDES, RunConfig
     from .experiments.run import run_experiment
 
-    if args.preset not in PRESET_OVERRIDES:
-        raise ValueError(
-            f"--preset: unknown preset {args.preset!r}; allowed: {', '.join(PRESET_OVERRIDES)}"
-        )
-    cfg = load(RunConfig, args.config, PRESET_OVERRIDES[args.preset] + args.set)
-    out = args.out or _default_run_dir(cfg)
-    result = run_experiment(cfg)
+    if args.resume:
+        # The run folder's resolved config is the configuration: nothing may change on resume.
+        if args.config or args.set or args.out:
+            raise ValueError(
+                "--resume: takes the run folder's own config.json; drop --config/--set/--out"
+            )
+        out = Path(args.resume)
+        if not (out / "checkpoint" / "state.pt").is_file():
+            raise ValueError(f"--resume: {str(out)!r} holds no checkpoint to resume from")
+        cfg = from_dict(RunConfig, json.loads((out / "config.json").read_text()))
+    else:
+        if args.preset not in PRESET_OVERRIDES:
+            raise ValueError(
+                f"--preset: unknown preset {args.preset!r}; allowed: {', '.join(PRESET_OVERRIDES)}"
+            )
+        cfg = load(RunConfig, args.config, PRESET_OVERRIDES[args.preset] + args.set)
+        out = Path(args.out or _default_run_dir(cfg))
+        if (out / "checkpoint" / "state.pt").is_file():
+            raise ValueError(
+                f"--out: {str(out)!r} holds an unfinished run; continue it with "
+                f"'fedattr run --resume {out}' or choose another folder"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    result = run_experiment(cfg, checkpoint_dir=out / "checkpoint")
     result.write(out)
+    shutil.rmtree(out / "checkpoint", ignore_errors=True)  # finished: results supersede it
     print(result.report.to_markdown())
     t = result.timing
     print(
@@ -177,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a setting, e.g. --set fl.strategy=flora (repeatable)",
     )
     run.add_argument("--out", help="run folder (default: runs/<time>-<strategy>-<model>)")
+    run.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue an interrupted run after its last round"
+    )
     run.set_defaults(func=_cmd_run)
 
     priv = sub.add_parser("privacy", help="acceptance rate, variance and leakage of a design")

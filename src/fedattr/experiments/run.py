@@ -6,6 +6,7 @@ FedAttr on each round's SA queries -> report files.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from ..attribution.protocol import FedAttr
@@ -165,10 +167,38 @@ class RunResult:
         )
 
 
-def run_experiment(cfg: RunConfig, progress: Progress | None = None) -> RunResult:
-    """Run one configured experiment end to end."""
+CHECKPOINT = "state.pt"
+
+
+def _save_checkpoint(directory: Path, payload: dict) -> None:
+    # Write then rename: a kill during the write leaves the previous checkpoint intact.
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / (CHECKPOINT + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, directory / CHECKPOINT)
+
+
+def load_checkpoint(directory: Path) -> dict | None:
+    """The last checkpoint in ``directory``, or ``None``."""
+    path = directory / CHECKPOINT
+    return torch.load(path, weights_only=False) if path.is_file() else None
+
+
+def run_experiment(
+    cfg: RunConfig, progress: Progress | None = None, checkpoint_dir: str | Path | None = None
+) -> RunResult:
+    """Run one configured experiment end to end.
+
+    With ``checkpoint_dir``, the run saves its state after every round (global state, FedAttr
+    scores, records, query log, timings, the participant sampler's RNG) and, if a checkpoint is
+    already there, resumes after its round. Everything else (data, teacher documents, training
+    and design randomness) is a deterministic function of the configuration and the round, so a
+    resumed run ends with the same results as an uninterrupted one.
+    """
     say = progress or (lambda m: tqdm.write(m, file=sys.stderr))
     timing = {"load_s": 0.0, "teacher_s": 0.0, "train_s": 0.0, "sa_s": 0.0, "scoring_s": 0.0}
+    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    saved = load_checkpoint(ckpt_dir) if ckpt_dir is not None else None
     start = time.perf_counter()
     model, tokenizer = load_model(cfg.model, say)
     timing["load_s"] = time.perf_counter() - start
@@ -198,8 +228,18 @@ def run_experiment(cfg: RunConfig, progress: Progress | None = None) -> RunResul
     rng = np.random.default_rng([cfg.fl.seed, 11])
     per_round = max(1, round(cfg.fl.participation * cfg.fl.K))
     records: list[dict] = []
+    queries: list[dict] = []
+    first = 1
+    if saved is not None:
+        state, records, queries = saved["state"], saved["records"], saved["queries"]
+        fedattr.scores = saved["scores"]
+        rng.bit_generator.state = saved["rng"]
+        timing = {k: timing[k] + saved["timing"].get(k, 0.0) for k in timing}
+        start -= saved["elapsed"]
+        first = saved["round"] + 1
+        say(f"resuming after round {saved['round']} of {cfg.fl.rounds}")
     params = trainable_lora_parameters(model)
-    for t in range(1, cfg.fl.rounds + 1):
+    for t in range(first, cfg.fl.rounds + 1):
         participants = sorted(int(c) for c in rng.choice(cfg.fl.K, per_round, replace=False))
         scales = dict(zip(participants, sa_scales([sizes[c] for c in participants]), strict=True))
         sa.open_round(t, participants)
@@ -268,6 +308,14 @@ def run_experiment(cfg: RunConfig, progress: Progress | None = None) -> RunResul
             for r in record.targets
         )
         say(f"[round {t}/{cfg.fl.rounds}] max-owner differential z (* = watermarked): {line}")
+        queries.extend(q.to_dict() for q in sa.log)
+        sa.log.clear()
+        if ckpt_dir is not None:
+            _save_checkpoint(ckpt_dir, {
+                "round": t, "state": state, "records": records, "queries": queries,
+                "scores": fedattr.scores, "rng": rng.bit_generator.state, "timing": timing,
+                "elapsed": time.perf_counter() - start,
+            })  # fmt: skip
     timing["total_s"] = time.perf_counter() - start
     timing["overhead"] = (timing["sa_s"] + timing["scoring_s"]) / max(timing["train_s"], 1e-9)
     truth = {c: c in fed.owner_of for c in range(cfg.fl.K)}
@@ -278,5 +326,4 @@ def run_experiment(cfg: RunConfig, progress: Progress | None = None) -> RunResul
         "client_sizes": sizes,
         "detect_prompts": len(fed.detect_prompts),
     }
-    queries = [q.to_dict() for q in sa.log]
-    return RunResult(replace(cfg), report, records, len(sa.log), timing, federation, queries)
+    return RunResult(replace(cfg), report, records, len(queries), timing, federation, queries)

@@ -69,6 +69,9 @@ def train(
         raise ValueError("train: no training examples")
     params = [p for p in params if p.requires_grad]
     rng = np.random.default_rng(seed)
+    # Dropout draws from torch's global RNG: seed it per call, so that a client's local training
+    # depends only on (seed, data), never on what ran before (resumed runs rely on this).
+    torch.manual_seed(seed)
     per_epoch = math.ceil(len(examples) / settings.batch_size)
     total = per_epoch * settings.epochs
     if settings.max_steps:

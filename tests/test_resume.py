@@ -1,0 +1,54 @@
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from fedattr.cli import main
+from test_run import _small
+
+
+def _args(sets):
+    return [a for s in sets for a in ("--set", s)]
+
+
+def test_killed_run_resumes_to_the_same_results(tiny_cache, tmp_path):
+    sets = _small(tiny_cache, "fl.rounds=4", "attribution.M=3")
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedattr", "run", "--out", str(killed), *_args(sets)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    ckpt = killed / "checkpoint" / "state.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.kill()  # SIGKILL: no clean-up of any kind
+    proc.wait()
+    assert ckpt.exists() and not (killed / "results.json").exists()
+    done = torch.load(ckpt, weights_only=False)["round"]
+    assert 1 <= done < 4
+    assert main(["run", "--resume", str(killed)]) == 0
+    assert not (killed / "checkpoint").exists()
+
+    whole = tmp_path / "whole"
+    assert main(["run", "--out", str(whole), *_args(sets)]) == 0
+    a = json.loads((killed / "results.json").read_text())
+    b = json.loads((whole / "results.json").read_text())
+    for key in ("tpr", "fpr", "flagged", "clients", "sa_queries", "federation", "by_statistic"):
+        assert a[key] == b[key], key
+    assert _query_log(killed) == _query_log(whole)
+
+
+def _query_log(run_dir):
+    lines = (run_dir / "queries.jsonl").read_text().splitlines()
+    return [(q["round"], q["subset"], q["coefficients"]) for q in map(json.loads, lines)]
+
+
+def test_resume_refuses_what_it_cannot_do(tiny_cache, tmp_path, capsys):
+    assert main(["run", "--resume", str(tmp_path)]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+    assert main(["run", "--resume", str(tmp_path), "--set", "fl.K=5"]) == 2
+    assert "drop --config/--set/--out" in capsys.readouterr().err
