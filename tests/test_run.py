@@ -41,6 +41,7 @@ def test_short_run_end_to_end(tiny_cache, strategy):
     result = run_experiment(cfg, progress=lambda _m: None)
     d = result.to_dict()
     assert d["sa_queries"] == 2 * (2 * 2 * 4 + 1)  # T * (2MK attribution + 1 aggregate)
+    assert d["mode"] == "paper"
     assert {"train_s", "sa_s", "scoring_s", "total_s"} <= set(d["timing"])
     assert len(d["clients"]) == 4 and sum(c["watermarked"] for c in d["clients"]) == 1
     assert all(set(c["z"]) == {"1", "2"} for c in d["clients"])
@@ -68,3 +69,16 @@ def test_run_cli_writes_folder_and_rejects_bad_input(tiny_cache, tmp_path, capsy
         == 2
     )
     assert "multiple of" in capsys.readouterr().err
+
+
+def test_short_run_hardened_stays_within_the_release_budget(tiny_cache):
+    from fedattr.attribution.audit import audit_queries
+
+    cfg = load(RunConfig, None, _small(tiny_cache, "attribution.mode=hardened"))
+    assert cfg.secagg.release_budget > 0  # defaulted to the paper's single-estimate bound
+    result = run_experiment(cfg, progress=lambda _m: None)
+    audited = audit_queries(result.queries)
+    assert all(not r.recoverable for r in audited)
+    assert max(r.max_leakage for r in audited) <= cfg.secagg.release_budget + 1e-12
+    targeted = sum(len(r["targets"]) for r in result.rounds)
+    assert result.sa_queries == targeted + 2  # one fused query per target, one aggregate per round

@@ -28,7 +28,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(result.report.to_markdown())
         t = result.timing
         print(
-            f"\nSA backend {cfg.secagg.backend}: {result.sa_queries} subset-sum queries; "
+            f"\nSA backend {cfg.secagg.backend}: {result.sa_queries} SA queries; "
             f"total {t['total_s']:.2f} s (SA {t['sa_s']:.2f} s, scoring {t['scoring_s']:.3f} s)"
         )
     return 0
