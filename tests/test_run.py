@@ -82,3 +82,11 @@ def test_short_run_hardened_stays_within_the_release_budget(tiny_cache):
     assert max(r.max_leakage for r in audited) <= cfg.secagg.release_budget + 1e-12
     targeted = sum(len(r["targets"]) for r in result.rounds)
     assert result.sa_queries == targeted + 2  # one fused query per target, one aggregate per round
+
+
+def test_hub_dataset_ids_are_not_mistaken_for_missing_files(tmp_path):
+    from fedattr.experiments.config import DataConfig
+
+    assert DataConfig(path="tatsu-lab/alpaca").path == "tatsu-lab/alpaca"
+    with pytest.raises(ValueError, match="does not exist"):
+        DataConfig(path=str(tmp_path / "missing.jsonl"))
