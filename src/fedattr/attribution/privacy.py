@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..secagg.policy import joint_leakage
 from .design import acceptance_threshold, draw_design, validate_parameters
 
 
@@ -130,10 +131,8 @@ def joint_recovery(K: int, N: int, M: int, seed: int = 0) -> JointRecovery:
         coef = d.coefficients()
         est.append([coef[j] for j in participants])
     Q = np.array(rows)
+    recoverable = int(np.sum(np.isinf(joint_leakage(Q))))
     rank = int(np.linalg.matrix_rank(Q))
-    recoverable = sum(
-        int(np.linalg.matrix_rank(np.vstack([Q, np.eye(K)[j]])) == rank) for j in participants
-    )
     return JointRecovery(len(rows), rank, recoverable, float(np.linalg.cond(np.array(est))))
 
 

@@ -1,6 +1,6 @@
 """Federated LoRA fine-tuning: strategies (FedIT, FLoRA), shared arithmetic, local training."""
 
-from .aggregate import add_states, sa_scales, subtract_states, weighted_mean
+from .aggregate import sa_scales, subtract_states, weighted_mean
 from .fedit import FedIT
 from .flora import FLoRA
 from .strategy import State, Strategy
@@ -10,7 +10,6 @@ __all__ = [
     "FedIT",
     "State",
     "Strategy",
-    "add_states",
     "sa_scales",
     "subtract_states",
     "weighted_mean",

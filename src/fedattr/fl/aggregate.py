@@ -9,14 +9,6 @@ import torch
 State = dict[str, torch.Tensor]
 
 
-def add_states(base: State, delta: State, scale: float = 1.0) -> State:
-    """``base + scale * delta`` key-wise; keys of ``base`` missing from ``delta`` are kept."""
-    missing = sorted(set(delta) - set(base))
-    if missing:
-        raise KeyError(f"update names {missing[:3]} are not in the state")
-    return {k: (v + scale * delta[k].to(v.dtype)) if k in delta else v for k, v in base.items()}
-
-
 def subtract_states(a: State, b: State) -> State:
     """``a - b`` key-wise over ``a``'s keys."""
     return {k: a[k] - b[k] for k in a}

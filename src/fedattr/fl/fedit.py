@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..models.lora import adapter_state, load_state
-from .aggregate import add_states, subtract_states
+from ..updates import add_update
+from .aggregate import subtract_states
 from .strategy import State, Strategy
 
 
@@ -26,7 +27,7 @@ class FedIT(Strategy):
         return subtract_states(adapter_state(model), state)
 
     def apply_aggregate(self, state: State, mean_update: State) -> State:
-        return add_states(state, mean_update)
+        return add_update(state, mean_update)
 
     def scoring_params(self, state: State) -> State:
         return dict(state)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..models.lora import adapter_state, base_state, load_state, lora_layers, merged_delta
-from .aggregate import add_states
+from ..updates import add_update
 from .strategy import State, Strategy
 
 
@@ -53,7 +53,7 @@ class FLoRA(Strategy):
         return merged_delta(adapter_state(model), self.scaling)
 
     def apply_aggregate(self, state: State, mean_update: State) -> State:
-        return add_states(state, mean_update)
+        return add_update(state, mean_update)
 
     def scoring_params(self, state: State) -> State:
         return {**state, **self._zero_b}

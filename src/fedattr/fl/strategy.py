@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..updates import add_update
+
 State = dict[str, torch.Tensor]
 
 
@@ -46,6 +48,4 @@ class Strategy(ABC):
 
     def apply_estimate(self, params: State, delta: State) -> State:
         """``w^{t-1} + Delta_hat_i``: key-wise addition (keys absent from delta unchanged)."""
-        from .aggregate import add_states
-
-        return add_states(params, delta)
+        return add_update(params, delta)

@@ -66,9 +66,9 @@ class FixedPointCodec:
         """Worst-case rounding error of one encoded coordinate."""
         return 0.5 / self.scale
 
-    def max_members(self, weight: float = 1.0) -> int:
-        """Largest number of values of magnitude ``<= clip * weight`` whose sum cannot wrap."""
-        return int((2.0 ** (self.ring_bits - 1) - 1) // (self.clip * abs(weight) * self.scale))
+    def max_members(self) -> int:
+        """Largest number of values of magnitude ``<= clip`` whose sum cannot wrap."""
+        return int((2.0 ** (self.ring_bits - 1) - 1) // (self.clip * self.scale))
 
     def check_capacity(self, members: int) -> None:
         """Raise if a sum over ``members`` clipped values could overflow the ring."""
@@ -80,8 +80,8 @@ class FixedPointCodec:
                 f"frac_bits or clip, or use ring_bits=64"
             )
 
-    def encode(self, values: np.ndarray, *, weight: float = 1.0) -> np.ndarray:
-        """Encode ``weight * values`` (float) into ring elements.
+    def encode(self, values: np.ndarray) -> np.ndarray:
+        """Encode float ``values`` into ring elements.
 
         Raises :class:`SecAggError` for non-finite values or values above ``clip``.
         """
@@ -95,7 +95,7 @@ class FixedPointCodec:
                 f"{self.clip}; raise secagg.clip (allowed while clip * 2**frac_bits < "
                 f"2**{self.ring_bits - 1}) or scale the update"
             )
-        scaled = np.rint(values * (weight * self.scale)).astype(np.int64)
+        scaled = np.rint(values * self.scale).astype(np.int64)
         # int64 -> uint64 is a reinterpretation; int64 -> uint32 wraps modulo 2**32 as wanted.
         return scaled.view(np.uint64) if self.ring_bits == 64 else scaled.astype(np.uint32)
 
