@@ -95,3 +95,20 @@ def test_cli_bench_small(capsys):
     )
     rows = json.loads(capsys.readouterr().out)
     assert {r["backend"] for r in rows} >= {"plain-sum", "plaintext", "pairwise-mask", "two-server"}
+
+
+def test_setting_one_nested_key_keeps_the_parents_other_defaults():
+    from fedattr.config import load
+    from fedattr.experiments.config import RunConfig
+
+    default = RunConfig().fl.train
+    cfg = load(RunConfig, None, ["fl.train.lr=5e-4"])
+    assert cfg.fl.train.lr == 5e-4
+    assert cfg.fl.train.epochs == default.epochs == 2  # the run's default, not TrainSettings'
+
+
+def test_unknown_detector_is_named():
+    from fedattr.experiments.config import RunConfig
+
+    with pytest.raises(ConfigError, match=r"watermark\.detector: must be reading or greedy"):
+        load(RunConfig, None, ["watermark.detector=magic"])

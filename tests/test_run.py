@@ -35,9 +35,15 @@ def _small(tiny_cache, *extra):
     ]
 
 
-@pytest.mark.parametrize("strategy", ["fedit", "flora"])
-def test_short_run_end_to_end(tiny_cache, strategy):
-    cfg = load(RunConfig, None, _small(tiny_cache, f"fl.strategy={strategy}"))
+@pytest.mark.parametrize(
+    ("strategy", "detector"), [("fedit", "reading"), ("flora", "reading"), ("fedit", "greedy")]
+)
+def test_short_run_end_to_end(tiny_cache, strategy, detector):
+    cfg = load(
+        RunConfig,
+        None,
+        _small(tiny_cache, f"fl.strategy={strategy}", f"watermark.detector={detector}"),
+    )
     result = run_experiment(cfg, progress=lambda _m: None)
     d = result.to_dict()
     assert d["sa_queries"] == 2 * (2 * 2 * 4 + 1)  # T * (2MK attribution + 1 aggregate)
@@ -47,6 +53,9 @@ def test_short_run_end_to_end(tiny_cache, strategy):
     assert all(set(c["z"]) == {"1", "2"} for c in d["clients"])
     assert set(d["by_statistic"]) == {"kgw:owner0", "kgw:owner1"}
     assert d["federation"]["watermarked_docs"]  # the teacher kept some documents
+    # The paired reading test has no reference level; the greedy z-test has one per owner.
+    refs = [r["reference_score"] for r in result.rounds]
+    assert all(r == {} for r in refs) if detector == "reading" else all(len(r) == 2 for r in refs)
 
 
 def test_run_cli_writes_folder_and_rejects_bad_input(tiny_cache, tmp_path, capsys):

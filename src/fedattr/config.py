@@ -82,6 +82,17 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
             f"unknown setting {prefix}{unknown[0]}; allowed in this section: "
             f"{', '.join(prefix + f for f in sorted(fields))}"
         )
+    data = dict(data)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        # A nested section starts from the parent's default for it (which may differ from the
+        # section class's own defaults), so that setting one key keeps the others.
+        if (
+            f.name in data
+            and isinstance(data[f.name], dict)
+            and dataclasses.is_dataclass(hints[f.name])
+            and f.default_factory is not dataclasses.MISSING
+        ):
+            data[f.name] = _deep_merge(to_dict(f.default_factory()), data[f.name])
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
     try:
         return cls(**kwargs)
@@ -89,6 +100,15 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
+    return out
 
 
 def check_client_ids(ids: list[int], K: int, key: str) -> None:

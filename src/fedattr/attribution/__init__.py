@@ -15,7 +15,7 @@ from .design import (
 from .estimator import estimate_update, predicted_error_trace
 from .privacy import acceptance_rate, joint_recovery, summarize, theorem4_bound
 from .protocol import AttributionConfig, FedAttr, RoundRecord, TargetRecord
-from .scoring import DifferentialScorer, LinearScorer, Scorer
+from .scoring import DifferentialScorer, LinearScorer, PairedScorer, Scorer
 from .stouffer import AttributionReport, ClientAttribution, build_report, stouffer, upper_tail
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "DifferentialScorer",
     "FedAttr",
     "LinearScorer",
+    "PairedScorer",
     "QueryDesign",
     "RoundRecord",
     "Scorer",

@@ -14,7 +14,7 @@ from ..secagg.errors import QueryFailed, QueryRefused
 from ..updates import add_update
 from .design import DesignError, draw_design, validate_parameters
 from .estimator import estimate_update, estimate_update_fused
-from .scoring import DEFAULT_STATISTIC, ApplyUpdate, DifferentialScorer, Scorer
+from .scoring import DEFAULT_STATISTIC, ApplyUpdate, DifferentialScorer, PairedScorer, Scorer
 from .stouffer import AttributionReport, build_report, combine_reports
 
 
@@ -112,7 +112,7 @@ class FedAttr:
         round_id: int,
         sa: SecureAggregator,
         reference: Any,
-        scorer: Scorer,
+        scorer: Scorer | PairedScorer,
         *,
         targets: Iterable[int] | None = None,
         apply: ApplyUpdate | None = None,

@@ -5,6 +5,11 @@ KGW z-score of a model's greedy generations. The differential score
 ``z_i^t = Score(w^{t-1} + Delta_hat_i) - Score(w^{t-1})`` subtracts the score of the round's
 reference model, which already carries the watermark accumulated in earlier rounds; the
 reference is scored once per round and reused for every target, with the same prompts.
+
+A *paired* scorer (:class:`PairedScorer`) replaces the subtraction by a test of the change
+itself: it observes the reference once (``observe``) and contrasts each estimate's observation
+with it (``contrast``). This is how a statistic whose null variance depends on the size of the
+change (e.g. the teacher-forced KGW green-mass contrast) plugs into the same protocol.
 """
 
 from __future__ import annotations
@@ -25,6 +30,18 @@ class Scorer(Protocol):
     """
 
     def __call__(self, params: Any) -> float | Mapping[str, float]: ...
+
+
+class PairedScorer(Protocol):
+    """A scorer that tests the change between a reference and a candidate model directly."""
+
+    def observe(self, params: Any) -> Any:
+        """What the scorer needs to know of a model (e.g. its next-token distributions)."""
+        ...
+
+    def contrast(self, reference: Any, candidate: Any) -> float | Mapping[str, float]:
+        """The statistic of ``candidate`` against ``reference`` (observations)."""
+        ...
 
 
 DEFAULT_STATISTIC = "score"
@@ -56,16 +73,40 @@ class LinearScorer:
         return float(torch.dot(self.direction, flat)) / self.scale
 
 
-class DifferentialScorer:
-    """Scores estimates against one round's reference parameters (reference scored once)."""
+def is_paired(scorer: Any) -> bool:
+    """Whether ``scorer`` follows :class:`PairedScorer` (has ``observe`` and ``contrast``)."""
+    return callable(getattr(scorer, "observe", None)) and callable(
+        getattr(scorer, "contrast", None)
+    )
 
-    def __init__(self, scorer: Scorer, reference: Any, apply: ApplyUpdate = add_update) -> None:
+
+class DifferentialScorer:
+    """Scores estimates against one round's reference parameters (reference scored once).
+
+    ``reference_score`` holds the reference's statistics for a plain scorer and is empty for a
+    paired one (its statistics only exist for a change).
+    """
+
+    def __init__(
+        self, scorer: Scorer | PairedScorer, reference: Any, apply: ApplyUpdate = add_update
+    ) -> None:
         self.scorer = scorer
         self.reference = reference
         self.apply = apply
-        self.reference_score = as_statistics(scorer(reference))
+        self.paired = is_paired(scorer)
+        if self.paired:
+            self._reference_obs = scorer.observe(reference)
+            self.reference_score: dict[str, float] = {}
+        else:
+            self.reference_score = as_statistics(scorer(reference))
 
     def __call__(self, estimate: Update) -> dict[str, float]:
-        """``Score(reference + estimate) - Score(reference)`` for every statistic."""
-        scores = as_statistics(self.scorer(self.apply(self.reference, estimate)))
+        """``Score(reference + estimate) - Score(reference)`` for every statistic, or the
+        paired scorer's contrast of the two."""
+        candidate = self.apply(self.reference, estimate)
+        if self.paired:
+            return as_statistics(
+                self.scorer.contrast(self._reference_obs, self.scorer.observe(candidate))
+            )
+        scores = as_statistics(self.scorer(candidate))
         return {k: v - self.reference_score[k] for k, v in scores.items()}

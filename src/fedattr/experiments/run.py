@@ -32,7 +32,7 @@ from ..models.training import train
 from ..reporting.run_folder import write_run_folder
 from ..secagg import make_aggregator
 from ..watermarks.kgw import KGWScheme
-from ..watermarks.radioactivity import KGWModelScorer
+from ..watermarks.radioactivity import KGWModelScorer, KGWReadingScorer
 from ..watermarks.teacher import watermark_records
 from .config import RunConfig
 
@@ -47,6 +47,7 @@ class Federation:
     owner_of: dict[int, str]
     schemes: dict[str, KGWScheme]
     detect_prompts: list[str]
+    detect_responses: list[str]
     wm_docs: dict[int, int]
 
 
@@ -108,7 +109,7 @@ def build_federation(cfg: RunConfig, model, tokenizer, say: Progress) -> Federat
         owner_of[client] = owner
         wm_docs[client] = len(docs)
     prompts = [format_prompt(tokenizer, r) for r in detect]
-    return Federation(shards, owner_of, schemes, prompts, wm_docs)
+    return Federation(shards, owner_of, schemes, prompts, [r.output for r in detect], wm_docs)
 
 
 def make_strategy(cfg: RunConfig) -> Strategy:
@@ -116,6 +117,27 @@ def make_strategy(cfg: RunConfig) -> Strategy:
     if cfg.fl.strategy == "fedit":
         return FedIT()
     return FLoRA(scaling=cfg.lora.scaling, seed=cfg.fl.seed)
+
+
+def make_scorer(
+    cfg: RunConfig, model, tokenizer, fed: Federation, strategy: Strategy
+) -> KGWModelScorer | KGWReadingScorer:
+    """The configured KGW detector over the held-out detection records."""
+    wm = cfg.watermark
+    if wm.detector == "greedy":
+        return KGWModelScorer(
+            model,
+            tokenizer,
+            fed.detect_prompts,
+            fed.schemes,
+            strategy.load_for_scoring,
+            max_new_tokens=wm.detect_max_new_tokens,
+            dedupe=wm.dedupe,
+        )
+    texts = list(zip(fed.detect_prompts, fed.detect_responses, strict=True))
+    return KGWReadingScorer(
+        model, tokenizer, texts, fed.schemes, strategy.load_for_scoring, max_len=cfg.data.max_len
+    )
 
 
 @dataclass
@@ -214,15 +236,7 @@ def run_experiment(
     sizes = [len(e) for e in examples]
     if min(sizes) == 0:
         raise ValueError("data: a client has no usable training example; raise data.records")
-    scorer = KGWModelScorer(
-        model,
-        tokenizer,
-        fed.detect_prompts,
-        fed.schemes,
-        strategy.load_for_scoring,
-        max_new_tokens=cfg.watermark.detect_max_new_tokens,
-        dedupe=cfg.watermark.dedupe,
-    )
+    scorer = make_scorer(cfg, model, tokenizer, fed, strategy)
     sa = make_aggregator(cfg.secagg)
     fedattr = FedAttr(cfg.attribution)
     rng = np.random.default_rng([cfg.fl.seed, 11])

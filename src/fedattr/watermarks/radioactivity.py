@@ -1,8 +1,17 @@
-"""Model-level KGW detection: greedy generations from held-out prompts, a z per owner key."""
+"""Model-level KGW detection, a z per owner key.
+
+Two detectors: :class:`KGWModelScorer` (the paper's: greedy generations from held-out
+prompts, z-test on green counts; FedAttr subtracts the reference's z) and
+:class:`KGWReadingScorer` (fedattr's paired teacher-forced test of the change itself, see its
+docstring; much more sensitive on small models).
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
+
+import torch
 
 from ..models.text import generate
 from .kgw import KGWDetector, KGWScheme
@@ -55,3 +64,125 @@ class KGWModelScorer:
         self.calls += 1
         self.last_tokens = sum(len(s) - 1 for s in seqs)
         return {name: det.score(seqs).z for name, det in self.detectors.items()}
+
+
+class KGWReadingScorer:
+    """Paired teacher-forced KGW test ("reading mode"): ``observe`` / ``contrast``.
+
+    The model reads fixed held-out clean texts (prompt + response, loss positions only); at
+    each response position it predicts a distribution ``p`` over the next token, whose green
+    list is set by the previous (true) token ``x``. ``observe`` sums the distributions per
+    previous token, ``A[x] = sum of p over the positions that follow x``. For a change
+    ``D = A(candidate) - A(reference)`` the statistic is the green mass it moved,
+
+        S = sum_x <D[x], green(x)>,   z = S / sqrt(v * sum_x ||D[x]||^2),
+
+    with ``v = m (V - m) / (V (V - 1))`` for green lists of ``m`` of ``V`` tokens. Under the
+    null that the change is independent of the owner's key (green lists uniformly random per
+    context), ``E[S] = 0`` (rows of ``D`` sum to zero) and ``Var[S] = v sum_x ||D[x]||^2``
+    exactly; grouping by ``x`` accounts for positions that share a green list (the soft
+    analogue of de-duplicating repeated pairs). The test is scale-free: it asks whether the
+    change points towards the green lists, not how big it is, which is what makes it far more
+    sensitive than the difference of two greedy-generation z-scores on small models.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        texts: Sequence[tuple[str, str]],
+        schemes: Mapping[str, KGWScheme],
+        load: Callable[[object, dict], None],
+        *,
+        max_len: int = 256,
+        batch_size: int = 16,
+    ) -> None:
+        if not schemes:
+            raise ValueError("KGWReadingScorer: no owner keys to test (watermark.r = 0?)")
+        if not texts:
+            raise ValueError("KGWReadingScorer: no texts to read (watermark.detect_prompts)")
+        vocabs = {s.vocab_size for s in schemes.values()}
+        if len(vocabs) != 1:
+            raise ValueError("KGWReadingScorer: all owner keys must share one vocabulary size")
+        self.model = model
+        self.load = load
+        self.batch_size = batch_size
+        self.vocab = vocabs.pop()
+        self.sequences: list[list[int]] = []
+        prevs: list[int] = []
+        self._spans: list[tuple[int, int]] = []
+        for prompt, response in texts:
+            p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            r = tokenizer(response, add_special_tokens=False)["input_ids"]
+            ids = (p + r)[:max_len]
+            first = len(p) - 1  # position whose prediction is the response's first token
+            if len(ids) - 1 <= first:
+                continue
+            self.sequences.append(ids)
+            self._spans.append((first, len(ids) - 1))
+            prevs.extend(ids[first : len(ids) - 1])
+        if not prevs:
+            raise ValueError("KGWReadingScorer: no response token fits in max_len")
+        contexts, inverse = torch.unique(torch.tensor(prevs), return_inverse=True)
+        self.contexts = contexts
+        # Context-group index of every scored position, per sequence.
+        self._groups = list(torch.split(inverse, [b - a for a, b in self._spans]))
+        self.positions = len(prevs)
+        self.green = {
+            name: torch.stack([s.green_mask(int(x)) for x in contexts.tolist()])
+            for name, s in schemes.items()
+        }
+        m = next(iter(schemes.values())).green_size
+        self._null_var = m * (self.vocab - m) / (self.vocab * (self.vocab - 1))
+        self._green_share = m / self.vocab
+        self._green_device = torch.device("cpu")
+        self.calls = 0
+
+    @torch.no_grad()
+    def observe(self, params: dict) -> torch.Tensor:
+        """``A[x]``: the model's next-token distributions summed per previous token (a
+        ``[contexts, vocab]`` float32 tensor on the model's device)."""
+        self.load(self.model, params)
+        was_training = self.model.training
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        out = torch.zeros((len(self.contexts), self.vocab), dtype=torch.float32, device=device)
+        for start in range(0, len(self.sequences), self.batch_size):
+            chunk = self.sequences[start : start + self.batch_size]
+            spans = self._spans[start : start + self.batch_size]
+            width = max(len(s) for s in chunk)
+            ids = torch.zeros((len(chunk), width), dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for i, s in enumerate(chunk):
+                ids[i, : len(s)] = torch.tensor(s)
+                mask[i, : len(s)] = 1
+            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            # Renormalised over the tokenizer's vocabulary (heads may be padded beyond it),
+            # so that every row of a change sums to zero.
+            probs = torch.softmax(logits[..., : self.vocab].float(), dim=-1)
+            rows = torch.cat([probs[i, a:b] for i, (a, b) in enumerate(spans)])
+            groups = torch.cat(self._groups[start : start + self.batch_size]).to(device)
+            out.index_add_(0, groups, rows)
+        if was_training:
+            self.model.train()
+        self.calls += 1
+        return out
+
+    def contrast(self, reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
+        """The z of the green mass moved from ``reference`` to ``candidate``, per owner key."""
+        change = (candidate - reference).double()
+        spread = float((change * change).sum()) * self._null_var
+        if spread <= 0.0:
+            return dict.fromkeys(self.green, 0.0)
+        scale = math.sqrt(spread)
+        # <D, green - m/V>: exactly mean-free under the null even where float32 softmax rows
+        # do not sum to exactly one.
+        drift = self._green_share * float(change.sum())
+        green = self._green_on(change.device)
+        return {name: (float(change[g].sum()) - drift) / scale for name, g in green.items()}
+
+    def _green_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if self._green_device != device:
+            self.green = {name: g.to(device) for name, g in self.green.items()}
+            self._green_device = device
+        return self.green

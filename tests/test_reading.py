@@ -1,0 +1,115 @@
+"""The paired teacher-forced KGW test (reading mode) and the paired-scorer protocol."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import MICRO_TINY
+from fedattr.attribution.scoring import DifferentialScorer
+from fedattr.data.corpus import generate_corpus
+from fedattr.models.config import ModelConfig, TinyModelConfig
+from fedattr.models.loading import load_model
+from fedattr.models.text import format_prompt
+from fedattr.watermarks.kgw import KGWLogitsProcessor, KGWScheme
+from fedattr.watermarks.radioactivity import KGWReadingScorer
+
+
+class _Tilted(torch.nn.Module):
+    """A causal LM whose logits can be tilted towards one key's green lists (a stand-in for a
+    model that learned the watermark) or perturbed at random (a change unrelated to any key)."""
+
+    def __init__(self, inner, scheme: KGWScheme) -> None:
+        super().__init__()
+        self.inner, self.processor = inner, KGWLogitsProcessor(scheme)
+        self.tilt, self.noise_seed, self.noise = 0.0, 0, 0.0
+
+    def forward(self, input_ids, attention_mask=None):
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask)
+        logits = out.logits
+        vocab = self.processor.scheme.vocab_size
+        if self.tilt:
+            flat = input_ids.reshape(-1, 1)
+            green = (
+                self.processor(flat, torch.zeros(flat.shape[0], vocab))
+                / self.processor.scheme.delta
+            )
+            logits = logits.clone()
+            logits[..., :vocab] += self.tilt * green.reshape(*input_ids.shape, vocab)
+        if self.noise:
+            gen = torch.Generator().manual_seed(self.noise_seed)
+            logits = logits + self.noise * torch.randn(logits.shape, generator=gen)
+        out.logits = logits
+        return out
+
+
+def _load(model, params):
+    model.tilt, model.noise, model.noise_seed = params
+
+
+@pytest.fixture(scope="module")
+def reading_setup(tiny_cache):
+    model, tok = load_model(
+        ModelConfig(cache_dir=str(tiny_cache), tiny=TinyModelConfig(**MICRO_TINY)), lambda m: None
+    )
+    texts = [(format_prompt(tok, r), r.output) for r in generate_corpus(24, seed=3)]
+    return model, tok, texts
+
+
+def test_reading_contrast_is_standard_normal_under_unrelated_keys(reading_setup):
+    model, tok, texts = reading_setup
+    V = len(tok)
+    keys = {f"k{i}": KGWScheme(1000 + i, V) for i in range(200)}
+    wrapped = _Tilted(model, keys["k0"])
+    scorer = KGWReadingScorer(wrapped, tok, texts, keys, _load)
+    ref = scorer.observe((0.0, 0.0, 0))
+    cand = scorer.observe((0.0, 0.5, 7))  # a random change: no key is involved
+    z = np.array(list(scorer.contrast(ref, cand).values()))
+    assert abs(z.mean()) < 0.3 and 0.75 < z.std() < 1.3
+    # Rows of a change sum to zero: the statistic ignores how much mass moves in total.
+    assert torch.allclose((cand - ref).sum(1), torch.zeros(len(scorer.contexts)), atol=1e-5)
+    assert scorer.contrast(ref, ref) == dict.fromkeys(keys, 0.0)
+
+
+def test_reading_contrast_detects_a_change_towards_one_key(reading_setup):
+    model, tok, texts = reading_setup
+    V = len(tok)
+    keys = {"owner": KGWScheme(5, V), "other": KGWScheme(6, V)}
+    wrapped = _Tilted(model, keys["owner"])
+    scorer = KGWReadingScorer(wrapped, tok, texts, keys, _load)
+    ref = scorer.observe((0.0, 0.0, 0))
+    # A small tilt buried in a larger random change is still found, under its key only.
+    z = scorer.contrast(ref, scorer.observe((0.05, 0.3, 3)))
+    assert z["owner"] > 6 and abs(z["other"]) < 3.5
+    assert scorer.contrast(ref, scorer.observe((-0.05, 0.3, 3)))["owner"] < -6
+
+
+def test_reading_scorer_rejects_empty_inputs(reading_setup):
+    model, tok, texts = reading_setup
+    keys = {"a": KGWScheme(1, len(tok))}
+    with pytest.raises(ValueError, match="no owner keys"):
+        KGWReadingScorer(model, tok, texts, {}, _load)
+    with pytest.raises(ValueError, match="detect_prompts"):
+        KGWReadingScorer(model, tok, [], keys, _load)
+
+
+class _Counting:
+    """A paired scorer on tensors: observe = the parameters, contrast = the summed change."""
+
+    def __init__(self) -> None:
+        self.observed = 0
+
+    def observe(self, params):
+        self.observed += 1
+        return params.clone()
+
+    def contrast(self, reference, candidate):
+        return {"s": float((candidate - reference).sum())}
+
+
+def test_differential_scorer_uses_observe_once_and_contrast_per_estimate():
+    scorer = _Counting()
+    diff = DifferentialScorer(scorer, torch.ones(3))
+    assert diff.paired and diff.reference_score == {} and scorer.observed == 1
+    assert diff(torch.tensor([1.0, 2.0, 3.0])) == {"s": 6.0}
+    assert diff(torch.tensor([0.0, 0.0, -1.0])) == {"s": -1.0}
+    assert scorer.observed == 3
