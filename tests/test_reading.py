@@ -9,7 +9,7 @@ from fedattr.attribution.scoring import DifferentialScorer
 from fedattr.data.corpus import generate_corpus
 from fedattr.models.config import ModelConfig, TinyModelConfig
 from fedattr.models.loading import load_model
-from fedattr.models.text import format_prompt
+from fedattr.models.text import encode_examples
 from fedattr.watermarks.kgw import KGWLogitsProcessor, KGWScheme
 from fedattr.watermarks.radioactivity import KGWReadingScorer
 
@@ -51,7 +51,7 @@ def reading_setup(tiny_cache):
     model, tok = load_model(
         ModelConfig(cache_dir=str(tiny_cache), tiny=TinyModelConfig(**MICRO_TINY)), lambda m: None
     )
-    texts = [(format_prompt(tok, r), r.output) for r in generate_corpus(24, seed=3)]
+    texts = encode_examples(tok, generate_corpus(24, seed=3), 128)
     return model, tok, texts
 
 
@@ -60,7 +60,7 @@ def test_reading_contrast_is_standard_normal_under_unrelated_keys(reading_setup)
     V = len(tok)
     keys = {f"k{i}": KGWScheme(1000 + i, V) for i in range(200)}
     wrapped = _Tilted(model, keys["k0"])
-    scorer = KGWReadingScorer(wrapped, tok, texts, keys, _load)
+    scorer = KGWReadingScorer(wrapped, texts, keys, _load)
     ref = scorer.observe((0.0, 0.0, 0))
     cand = scorer.observe((0.0, 0.5, 7))  # a random change: no key is involved
     z = np.array(list(scorer.contrast(ref, cand).values()))
@@ -75,7 +75,7 @@ def test_reading_contrast_detects_a_change_towards_one_key(reading_setup):
     V = len(tok)
     keys = {"owner": KGWScheme(5, V), "other": KGWScheme(6, V)}
     wrapped = _Tilted(model, keys["owner"])
-    scorer = KGWReadingScorer(wrapped, tok, texts, keys, _load)
+    scorer = KGWReadingScorer(wrapped, texts, keys, _load)
     ref = scorer.observe((0.0, 0.0, 0))
     # A small tilt buried in a larger random change is still found, under its key only.
     z = scorer.contrast(ref, scorer.observe((0.05, 0.3, 3)))
@@ -87,9 +87,9 @@ def test_reading_scorer_rejects_empty_inputs(reading_setup):
     model, tok, texts = reading_setup
     keys = {"a": KGWScheme(1, len(tok))}
     with pytest.raises(ValueError, match="no owner keys"):
-        KGWReadingScorer(model, tok, texts, {}, _load)
+        KGWReadingScorer(model, texts, {}, _load)
     with pytest.raises(ValueError, match="detect_prompts"):
-        KGWReadingScorer(model, tok, [], keys, _load)
+        KGWReadingScorer(model, [], keys, _load)
 
 
 class _Counting:

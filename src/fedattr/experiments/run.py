@@ -47,7 +47,7 @@ class Federation:
     owner_of: dict[int, str]
     schemes: dict[str, KGWScheme]
     detect_prompts: list[str]
-    detect_responses: list[str]
+    detect_records: list[Record]
     wm_docs: dict[int, int]
 
 
@@ -109,7 +109,7 @@ def build_federation(cfg: RunConfig, model, tokenizer, say: Progress) -> Federat
         owner_of[client] = owner
         wm_docs[client] = len(docs)
     prompts = [format_prompt(tokenizer, r) for r in detect]
-    return Federation(shards, owner_of, schemes, prompts, [r.output for r in detect], wm_docs)
+    return Federation(shards, owner_of, schemes, prompts, list(detect), wm_docs)
 
 
 def make_strategy(cfg: RunConfig) -> Strategy:
@@ -134,9 +134,9 @@ def make_scorer(
             max_new_tokens=wm.detect_max_new_tokens,
             dedupe=wm.dedupe,
         )
-    texts = list(zip(fed.detect_prompts, fed.detect_responses, strict=True))
+    examples = encode_examples(tokenizer, fed.detect_records, cfg.data.max_len)
     return KGWReadingScorer(
-        model, tokenizer, texts, fed.schemes, strategy.load_for_scoring, max_len=cfg.data.max_len
+        model, examples, fed.schemes, strategy.load_for_scoring, pad_id=tokenizer.pad_token_id
     )
 
 

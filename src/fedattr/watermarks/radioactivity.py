@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from ..models.text import generate
+from ..models.text import Example, collate, generate
 from .kgw import KGWDetector, KGWScheme
 
 
@@ -69,7 +69,7 @@ class KGWModelScorer:
 class KGWReadingScorer:
     """Paired teacher-forced KGW test ("reading mode"): ``observe`` / ``contrast``.
 
-    The model reads fixed held-out clean texts (prompt + response, loss positions only); at
+    The model reads fixed held-out clean examples (their loss positions, i.e. the response); at
     each response position it predicts a distribution ``p`` over the next token, whose green
     list is set by the previous (true) token ``x``. ``observe`` sums the distributions per
     previous token, ``A[x] = sum of p over the positions that follow x``. For a change
@@ -89,40 +89,36 @@ class KGWReadingScorer:
     def __init__(
         self,
         model,
-        tokenizer,
-        texts: Sequence[tuple[str, str]],
+        examples: Sequence[Example],
         schemes: Mapping[str, KGWScheme],
         load: Callable[[object, dict], None],
         *,
-        max_len: int = 256,
+        pad_id: int = 0,
         batch_size: int = 16,
     ) -> None:
         if not schemes:
             raise ValueError("KGWReadingScorer: no owner keys to test (watermark.r = 0?)")
-        if not texts:
-            raise ValueError("KGWReadingScorer: no texts to read (watermark.detect_prompts)")
         vocabs = {s.vocab_size for s in schemes.values()}
         if len(vocabs) != 1:
             raise ValueError("KGWReadingScorer: all owner keys must share one vocabulary size")
         self.model = model
         self.load = load
+        self.pad_id = pad_id
         self.batch_size = batch_size
         self.vocab = vocabs.pop()
-        self.sequences: list[list[int]] = []
-        prevs: list[int] = []
+        # Read each example's loss positions: position t predicts token t + 1 after ids[t].
+        self.examples: list[Example] = []
         self._spans: list[tuple[int, int]] = []
-        for prompt, response in texts:
-            p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            r = tokenizer(response, add_special_tokens=False)["input_ids"]
-            ids = (p + r)[:max_len]
-            first = len(p) - 1  # position whose prediction is the response's first token
-            if len(ids) - 1 <= first:
-                continue
-            self.sequences.append(ids)
-            self._spans.append((first, len(ids) - 1))
-            prevs.extend(ids[first : len(ids) - 1])
+        prevs: list[int] = []
+        for ex in examples:
+            scored = [t for t in range(len(ex.input_ids) - 1) if ex.labels[t + 1] != -100]
+            if scored:
+                first, end = scored[0], len(ex.input_ids) - 1
+                self.examples.append(ex)
+                self._spans.append((first, end))
+                prevs.extend(ex.input_ids[first:end])
         if not prevs:
-            raise ValueError("KGWReadingScorer: no response token fits in max_len")
+            raise ValueError("KGWReadingScorer: no texts to read (watermark.detect_prompts)")
         contexts, inverse = torch.unique(torch.tensor(prevs), return_inverse=True)
         self.contexts = contexts
         # Context-group index of every scored position, per sequence.
@@ -147,16 +143,13 @@ class KGWReadingScorer:
         self.model.eval()
         device = next(self.model.parameters()).device
         out = torch.zeros((len(self.contexts), self.vocab), dtype=torch.float32, device=device)
-        for start in range(0, len(self.sequences), self.batch_size):
-            chunk = self.sequences[start : start + self.batch_size]
+        for start in range(0, len(self.examples), self.batch_size):
+            batch = collate(self.examples[start : start + self.batch_size], self.pad_id)
             spans = self._spans[start : start + self.batch_size]
-            width = max(len(s) for s in chunk)
-            ids = torch.zeros((len(chunk), width), dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, s in enumerate(chunk):
-                ids[i, : len(s)] = torch.tensor(s)
-                mask[i, : len(s)] = 1
-            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            logits = self.model(
+                input_ids=batch["input_ids"].to(device),
+                attention_mask=batch["attention_mask"].to(device),
+            ).logits
             # Renormalised over the tokenizer's vocabulary (heads may be padded beyond it),
             # so that every row of a change sums to zero.
             probs = torch.softmax(logits[..., : self.vocab].float(), dim=-1)
