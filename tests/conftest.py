@@ -45,3 +45,30 @@ def tiny_cache(tmp_path_factory):
     root = tmp_path_factory.mktemp("fedattr-cache")
     ensure_tiny(TinyModelConfig(**MICRO_TINY), root, progress=lambda _m: None)
     return root
+
+
+def small_overrides(tiny_cache, *extra):
+    """`--set` overrides for a micro run (K=4, T=2) on the session's micro tiny model."""
+    tiny = [f"model.tiny.{k}={v}" for k, v in MICRO_TINY.items()]
+    return [
+        f"model.cache_dir={tiny_cache}",
+        *tiny,
+        "lora.r=4",
+        "lora.alpha=8",
+        "fl.K=4",
+        "fl.rounds=2",
+        "fl.train.batch_size=8",
+        "fl.train.micro_batch_size=4",
+        "attribution.N=2",
+        "attribution.M=2",
+        "secagg.min_members=2",
+        "data.records=64",
+        "data.max_len=64",
+        "watermark.r=1",
+        "watermark.owners=2",
+        "watermark.detect_prompts=4",
+        "watermark.detect_max_new_tokens=8",
+        "watermark.doc_max_new_tokens=16",
+        "watermark.min_tokens=2",
+        *extra,
+    ]

@@ -5,8 +5,8 @@ import time
 
 import torch
 
+from conftest import small_overrides as _small
 from fedattr.cli import main
-from test_run import _small
 
 
 def _args(sets):

@@ -72,11 +72,76 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(result.report.to_markdown())
     t = result.timing
     print(
-        f"\n{cfg.fl.strategy} / KGW / {cfg.model.preset}: {result.sa_queries} SA queries; "
+        f"\n{cfg.fl.strategy} / {cfg.watermark.kind.upper()} / {cfg.model.preset}: "
+        f"{result.sa_queries} SA queries; "
         f"train {t['train_s']:.1f} s, SA {t['sa_s']:.1f} s, scoring {t['scoring_s']:.1f} s, "
         f"total {t['total_s']:.1f} s (FedAttr overhead {100 * t['overhead']:.0f}% of training)"
     )
     print(f"run folder: {out}")
+    return 0
+
+
+def _parse_seeds(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds: comma-separated integers, e.g. 1,2,3; got {text!r}") from None
+
+
+def _cmd_experiment_main(args: argparse.Namespace) -> int:
+    from .experiments.main import MainSpec, run_main
+
+    spec = MainSpec(args.preset, _parse_seeds(args.seeds), args.config, args.set)
+    out = args.out or f"runs/main-{args.preset}"
+    run_main(spec, out, progress=lambda m: print(m, file=sys.stderr))
+    from pathlib import Path
+
+    print(Path(out, "table.md").read_text())
+    print(f"experiment folder: {out}")
+    return 0
+
+
+def _cmd_experiment_mechanism(args: argparse.Namespace) -> int:
+    import shutil
+    from pathlib import Path
+
+    from .config import load, to_dict
+    from .experiments.config import PRESET_OVERRIDES, RunConfig
+    from .experiments.main import WATERMARK_OVERRIDES
+    from .experiments.mechanism import write_mechanism
+    from .experiments.run import run_experiment
+
+    if args.preset not in WATERMARK_OVERRIDES:
+        raise ValueError(f"--preset: must be one of {', '.join(WATERMARK_OVERRIDES)}")
+    if args.watermark not in ("kgw", "fk"):
+        raise ValueError(f"--watermark: must be kgw or fk, got {args.watermark!r}")
+    sets = [
+        *PRESET_OVERRIDES[args.preset],
+        *WATERMARK_OVERRIDES[args.preset][args.watermark],
+        f"watermark.kind={args.watermark}",
+        f"fl.strategy={args.strategy}",
+        f"fl.seed={args.seed}",
+        f"fl.rounds={args.rounds}",
+        "baselines=true",
+        *args.set,
+    ]
+    cfg = load(RunConfig, args.config, sets)
+    out = Path(args.out or f"runs/mechanism-{args.preset}-{args.strategy}-{args.watermark}")
+    run_dir = out / "run"
+    if not (run_dir / "results.json").is_file():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        result = run_experiment(cfg, checkpoint_dir=run_dir / "checkpoint")
+        result.write(run_dir)
+        shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
+    elif json.loads((run_dir / "config.json").read_text()) != json.loads(json.dumps(to_dict(cfg))):
+        raise ValueError(f"--out: {str(run_dir)!r} holds a run with another configuration")
+    summary = write_mechanism(run_dir, out)
+    print(
+        f"m̂ = {summary['m_hat']:.3f}, ε̂ = {summary['eps_hat']:.3f}, ν̂ = {summary['nu_hat']:.3f} "
+        f"over {summary['rounds']} rounds"
+    )
+    print(f"wrote {out}/fig2a..fig2d PNGs and mechanism.json")
     return 0
 
 
@@ -183,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run",
-        help="federated LoRA fine-tuning with KGW-watermarked clients, SA and FedAttr",
+        help="federated LoRA fine-tuning with watermarked clients (KGW or FK), SA and FedAttr",
     )
     run.add_argument("--preset", default="tiny", help="tiny (default, CPU) or smollm2 (GPU)")
     run.add_argument(
@@ -203,6 +268,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", metavar="RUN_DIR", help="continue an interrupted run after its last round"
     )
     run.set_defaults(func=_cmd_run)
+
+    exp = sub.add_parser("experiment", help="the paper's Table 1 (main) and Figure 2 (mechanism)")
+    exp_sub = exp.add_subparsers(dest="experiment", required=True)
+    em = exp_sub.add_parser(
+        "main", help="{FedIT, FLoRA} x {KGW, FK} x seeds: FedAttr and the baselines (resumable)"
+    )
+    em.add_argument("--preset", default="tiny", help="tiny (default, CPU) or smollm2 (GPU)")
+    em.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (default 1,2,3)")
+    em.add_argument("--out", help="experiment folder (default runs/main-<preset>)")
+    mech = exp_sub.add_parser("mechanism", help="Figure 2's four panels from one run")
+    mech.add_argument("--preset", default="tiny", help="tiny (default, CPU) or smollm2 (GPU)")
+    mech.add_argument("--strategy", default="fedit", help="fedit (default) or flora")
+    mech.add_argument("--watermark", default="kgw", help="kgw (default) or fk")
+    mech.add_argument("--seed", type=int, default=1)
+    mech.add_argument("--rounds", type=int, default=5, help="FL rounds T (default 5)")
+    mech.add_argument("--out", help="folder (default runs/mechanism-<preset>-<strategy>-<wm>)")
+    for sp in (em, mech):
+        sp.add_argument("--config", help="a .json or .toml file applied to every run")
+        sp.add_argument(
+            "--set", action="append", default=[], metavar="KEY=VALUE",
+            help="override a setting in every run (repeatable)",
+        )  # fmt: skip
+    em.set_defaults(func=_cmd_experiment_main)
+    mech.set_defaults(func=_cmd_experiment_mechanism)
 
     priv = sub.add_parser("privacy", help="acceptance rate, variance and leakage of a design")
     priv.add_argument("--K", type=int, default=10, help="participating clients (default 10)")

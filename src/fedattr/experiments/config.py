@@ -45,9 +45,12 @@ class DataConfig:
 
 @dataclass
 class WatermarkConfig:
-    """KGW watermarking of the owners' documents and its detection."""
+    """The owners' watermark (KGW or Fictitious Knowledge) and its detection."""
 
     kind: str = "kgw"
+    """``kgw`` (teacher-rewritten responses under the owner's green lists) or ``fk``
+    (Fictitious Knowledge: documents about a fabricated entity per watermarked client; every
+    watermarked client is its own owner, so ``owners`` is ignored)."""
     r: int = 3
     """Watermarked clients, chosen by seed (ignored when ``clients`` is given)."""
     clients: list[int] | None = None
@@ -63,16 +66,35 @@ class WatermarkConfig:
     doc_max_new_tokens: int = 96
     min_tokens: int = 8
     detector: str = "reading"
-    """``reading`` (fedattr's paired teacher-forced test of the change, see
-    ``KGWReadingScorer``) or ``greedy`` (the paper's: greedy generations, z on green counts)."""
+    """``reading``: fedattr's teacher-forced tests of the change (KGW: ``KGWReadingScorer``;
+    FK: ``FKLikelihoodScorer``, rank of the true value among decoys); ``greedy``: the paper's
+    (KGW: greedy generations, z on green counts; FK: QA hit rates of greedy answers)."""
+    fk_writer: str = "template"
+    """FK documents: ``template`` (varied templates) or ``teacher`` (the model writes each
+    document from templated facts; the share that keeps every target is reported)."""
+    fk_questions: int = 25
+    """Paraphrased QA probes per attribute for the greedy FK detector."""
+    fk_reading_questions: int = 2
+    """Questions per attribute read by the FK reading detector (its noise is in the decoys)."""
+    fk_decoys: int = 31
+    """Decoy values per attribute for the FK reading detector's rank test."""
+    fk_answer_tokens: int = 24
     detect_prompts: int = 128
     """Held-out detection records: prompts to generate from (greedy) or texts to read."""
     detect_max_new_tokens: int = 48
     dedupe: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind != "kgw":
-            raise ValueError(f"watermark.kind: only 'kgw' is available, got {self.kind!r}")
+        if self.kind not in ("kgw", "fk"):
+            raise ValueError(f"watermark.kind: must be kgw or fk, got {self.kind!r}")
+        if self.fk_writer not in ("template", "teacher"):
+            raise ValueError(
+                f"watermark.fk_writer: must be template or teacher, got {self.fk_writer!r}"
+            )
+        if not 1 <= self.fk_questions <= 25 or not 1 <= self.fk_reading_questions <= 25:
+            raise ValueError("watermark.fk_questions and fk_reading_questions: must be in 1..25")
+        if self.fk_decoys < 1 or self.fk_answer_tokens < 1:
+            raise ValueError("watermark.fk_decoys and fk_answer_tokens: must be >= 1")
         if not 0.0 < self.ratio <= 1.0:
             raise ValueError(f"watermark.ratio: must be in (0, 1], got {self.ratio}")
         if self.detector not in ("reading", "greedy"):
@@ -133,6 +155,9 @@ class RunConfig:
     fl: FLConfig = field(default_factory=FLConfig)
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
     attribution: AttributionConfig = field(default_factory=AttributionConfig)
+    baselines: bool = False
+    """Also run the baselines (global-model test, Direct, FLDetector, FLForensics) on the same
+    training run; they read plaintext updates, which FedAttr never does."""
 
     def __post_init__(self) -> None:
         wm = self.watermark
@@ -140,6 +165,11 @@ class RunConfig:
             check_client_ids(wm.clients, self.fl.K, "watermark.clients")
         elif wm.r > self.fl.K:
             raise ValueError(f"watermark.r: must be in 0..fl.K={self.fl.K}, got {wm.r}")
+        n_wm = len(wm.clients) if wm.clients is not None else wm.r
+        if wm.kind == "fk" and n_wm > 6:
+            raise ValueError(
+                f"watermark.r: FK has 6 entity domains, one per watermarked client; got {n_wm}"
+            )
         n = max(1, round(self.fl.participation * self.fl.K))
         if not n - 1 > self.attribution.N:
             raise ValueError(

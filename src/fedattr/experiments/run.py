@@ -1,4 +1,4 @@
-"""``fedattr run``: federated LoRA fine-tuning with KGW-watermarked clients, SA, and FedAttr.
+"""``fedattr run``: federated LoRA fine-tuning with watermarked clients, SA, and FedAttr.
 
 Data flows one way: config -> data and model -> FL rounds (every update only through SA) ->
 FedAttr on each round's SA queries -> report files.
@@ -19,125 +19,19 @@ from tqdm.auto import tqdm
 
 from ..attribution.protocol import FedAttr
 from ..attribution.stouffer import AttributionReport
+from ..baselines import BaselineRecorder, BaselineResult
 from ..config import to_dict
-from ..data.corpus import generate_corpus
-from ..data.loaders import load_records
-from ..data.partition import partition_dirichlet, partition_iid
-from ..data.records import Record
-from ..fl import FedIT, FLoRA, Strategy, sa_scales
+from ..fl import sa_scales
 from ..models.loading import load_model
 from ..models.lora import attach_lora, trainable_lora_parameters
-from ..models.text import encode_examples, format_prompt
+from ..models.text import encode_examples
 from ..models.training import train
 from ..reporting.run_folder import write_run_folder
 from ..secagg import make_aggregator
-from ..watermarks.kgw import KGWScheme
-from ..watermarks.radioactivity import KGWModelScorer, KGWReadingScorer
-from ..watermarks.teacher import watermark_records
 from .config import RunConfig
+from .federation import build_federation, make_scorer, make_strategy
 
 Progress = Callable[[str], None]
-
-
-@dataclass
-class Federation:
-    """Client datasets, who is watermarked with which owner's documents, detection prompts."""
-
-    shards: list[list[Record]]
-    owner_of: dict[int, str]
-    schemes: dict[str, KGWScheme]
-    detect_prompts: list[str]
-    detect_records: list[Record]
-    wm_docs: dict[int, int]
-
-
-def _watermarked_clients(cfg: RunConfig) -> list[int]:
-    wm = cfg.watermark
-    if wm.clients is not None:
-        return sorted(wm.clients)
-    rng = np.random.default_rng([cfg.fl.seed, 7])
-    return sorted(int(c) for c in rng.choice(cfg.fl.K, wm.r, replace=False))
-
-
-def _owner_key(cfg: RunConfig, owner: int) -> int:
-    return int(np.random.default_rng([cfg.watermark.key_seed, owner]).integers(2**62))
-
-
-def build_federation(cfg: RunConfig, model, tokenizer, say: Progress) -> Federation:
-    """Load and split data, then let each owner's teacher watermark its clients' documents."""
-    d, wm = cfg.data, cfg.watermark
-    if d.path:
-        pool = load_records(d.path, d.split)
-        rng = np.random.default_rng(d.seed)
-        order = rng.permutation(len(pool))
-        n_detect = min(wm.detect_prompts, max(1, len(pool) // 10))
-        detect = [pool[i] for i in order[:n_detect]]
-        records = [pool[i] for i in order[n_detect : n_detect + d.records]]
-    else:
-        records = generate_corpus(d.records, seed=d.seed + 1)
-        detect = generate_corpus(wm.detect_prompts, seed=d.seed + 2)  # held out by seed
-    if d.partition == "iid":
-        shards = partition_iid(records, cfg.fl.K, seed=d.seed)
-    else:
-        shards = partition_dirichlet(records, cfg.fl.K, d.dirichlet_alpha, seed=d.seed)
-    vocab = len(tokenizer)
-    schemes = {
-        f"kgw:owner{o}": KGWScheme(_owner_key(cfg, o), vocab, wm.gamma, wm.delta)
-        for o in range(wm.owners)
-    }
-    names = sorted(schemes)
-    owner_of, wm_docs = {}, {}
-    for k, client in enumerate(_watermarked_clients(cfg)):
-        owner = names[k % len(names)]
-        shard = shards[client]
-        n = max(1, round(wm.ratio * len(shard)))
-        say(f"teacher: watermarking {n} of client {client}'s {len(shard)} documents ({owner})")
-        docs = watermark_records(
-            model,
-            tokenizer,
-            shard[:n],
-            schemes[owner],
-            max_new_tokens=wm.doc_max_new_tokens,
-            min_tokens=wm.min_tokens,
-            temperature=wm.temperature,
-            top_p=wm.top_p,
-            seed=cfg.fl.seed * 1000 + client,
-        )
-        # Dropped (too short) documents leave their clean originals out: the client's share of
-        # watermarked data is len(docs) / (len(shard) - n + len(docs)).
-        shards[client] = docs + shard[n:]
-        owner_of[client] = owner
-        wm_docs[client] = len(docs)
-    prompts = [format_prompt(tokenizer, r) for r in detect]
-    return Federation(shards, owner_of, schemes, prompts, list(detect), wm_docs)
-
-
-def make_strategy(cfg: RunConfig) -> Strategy:
-    """The configured aggregation strategy."""
-    if cfg.fl.strategy == "fedit":
-        return FedIT()
-    return FLoRA(scaling=cfg.lora.scaling, seed=cfg.fl.seed)
-
-
-def make_scorer(
-    cfg: RunConfig, model, tokenizer, fed: Federation, strategy: Strategy
-) -> KGWModelScorer | KGWReadingScorer:
-    """The configured KGW detector over the held-out detection records."""
-    wm = cfg.watermark
-    if wm.detector == "greedy":
-        return KGWModelScorer(
-            model,
-            tokenizer,
-            fed.detect_prompts,
-            fed.schemes,
-            strategy.load_for_scoring,
-            max_new_tokens=wm.detect_max_new_tokens,
-            dedupe=wm.dedupe,
-        )
-    examples = encode_examples(tokenizer, fed.detect_records, cfg.data.max_len)
-    return KGWReadingScorer(
-        model, examples, fed.schemes, strategy.load_for_scoring, pad_id=tokenizer.pad_token_id
-    )
 
 
 @dataclass
@@ -151,6 +45,7 @@ class RunResult:
     timing: dict[str, float]
     federation: dict
     queries: list[dict] = field(default_factory=list)
+    baselines: list[BaselineResult] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-ready form (``results.json``)."""
@@ -161,7 +56,10 @@ class RunResult:
             timing=self.timing,
             federation=self.federation,
             strategy=self.config.fl.strategy,
+            watermark=self.config.watermark.kind,
+            detector=self.config.watermark.detector,
             sa_backend=self.config.secagg.backend,
+            baselines=[b.to_dict() for b in self.baselines],
         )
         return out
 
@@ -169,14 +67,15 @@ class RunResult:
         """Write config.json, rounds.jsonl, results.json, report.md and attribution.png."""
         t, c = self.timing, self.config
         report_md = (
-            f"# FedAttr run: {c.fl.strategy}, KGW, {c.model.preset} ({c.attribution.mode} mode)"
+            f"# FedAttr run: {c.fl.strategy}, {c.watermark.kind.upper()} "
+            f"({c.watermark.detector} detector), {c.model.preset} ({c.attribution.mode} mode)"
             f"\n\nK={c.fl.K}, T={c.fl.rounds}, N={c.attribution.N}, M={c.attribution.M}, "
             f"SA backend `{c.secagg.backend}` ({self.sa_queries} SA queries).\n\n"
             + self.report.to_markdown()
             + "\n\n| stage | seconds |\n|---|---|\n"
             + "".join(f"| {k} | {v:.1f} |\n" for k, v in t.items())
             + f"\nFedAttr overhead over FL training: {100 * t['overhead']:.1f}% "
-            "((SA + scoring) / training)"
+            "((SA + scoring) / training)" + baseline_markdown(self.baselines)
         )
         return write_run_folder(
             out_dir,
@@ -187,6 +86,23 @@ class RunResult:
             report=self.report,
             report_md=report_md,
         )
+
+
+def baseline_markdown(results: list[BaselineResult]) -> str:
+    """The baselines' verdicts as a Markdown section (empty without baselines)."""
+    if not results:
+        return ""
+    pct = lambda r: "–" if r is None else f"{100 * r:.0f}%"  # noqa: E731
+    rows = [
+        f"| {b.name} | {'✓' if b.respects_sa else '✗'} | "
+        + ("(names nobody)" if b.flagged is None else ", ".join(map(str, b.flagged)) or "none")
+        + f" | {pct(b.tpr)} | {pct(b.fpr)} | {'–' if b.p is None else f'{b.p:.2e}'} |"
+        for b in results
+    ]
+    return (
+        "\n\n## Baselines (same training run)\n\n| baseline | respects SA | flagged | TPR | FPR "
+        "| p |\n|---|---|---|---|---|---|\n" + "\n".join(rows)
+    )
 
 
 CHECKPOINT = "state.pt"
@@ -237,6 +153,17 @@ def run_experiment(
     if min(sizes) == 0:
         raise ValueError("data: a client has no usable training example; raise data.records")
     scorer = make_scorer(cfg, model, tokenizer, fed, strategy)
+    recorder = None
+    if cfg.baselines:
+        t0 = time.perf_counter()
+        probe = scorer
+        if not callable(getattr(scorer, "probe_values", None)):
+            probe = make_scorer(cfg, model, tokenizer, fed, strategy, detector="reading")
+        recorder = BaselineRecorder(
+            scorer, probe, strategy.apply_estimate, strategy.scoring_params(state),
+            gamma=cfg.attribution.gamma, seed=cfg.fl.seed,
+        )  # fmt: skip
+        timing["baselines_s"] = time.perf_counter() - t0
     sa = make_aggregator(cfg.secagg)
     fedattr = FedAttr(cfg.attribution)
     rng = np.random.default_rng([cfg.fl.seed, 11])
@@ -249,6 +176,8 @@ def run_experiment(
         fedattr.scores = saved["scores"]
         rng.bit_generator.state = saved["rng"]
         timing = {k: timing[k] + saved["timing"].get(k, 0.0) for k in timing}
+        if recorder is not None:
+            recorder.load(saved["baselines"])
         start -= saved["elapsed"]
         first = saved["round"] + 1
         say(f"resuming after round {saved['round']} of {cfg.fl.rounds}")
@@ -259,6 +188,7 @@ def run_experiment(
         sa.open_round(t, participants)
         t0 = time.perf_counter()
         losses = {}
+        plain = {}  # plaintext updates: only for the baselines, which do not respect SA
         bar = tqdm(
             participants,
             desc=f"round {t}/{cfg.fl.rounds} local training",
@@ -280,6 +210,8 @@ def run_experiment(
             update = strategy.client_update(model, state)
             # Only the scaled update leaves the client, and only into secure aggregation.
             sa.submit(c, {k: v.detach().float().cpu() * scales[c] for k, v in update.items()})
+            if recorder is not None:
+                plain[c] = {k: v.detach().float().cpu() for k, v in update.items()}
         timing["train_s"] += time.perf_counter() - t0
         # The round's aggregate first: training needs it whatever the release policy admits.
         t0 = time.perf_counter()
@@ -312,6 +244,10 @@ def run_experiment(
         timing["scoring_s"] += (time.perf_counter() - t0) - sum(
             r.sa_seconds + r.score_seconds for r in record.targets
         )
+        if recorder is not None:
+            t0 = time.perf_counter()
+            recorder.record_round(t, reference, plain, mean_update)
+            timing["baselines_s"] += time.perf_counter() - t0
         state = strategy.apply_aggregate(state, mean_update)
         sa.close_round()
         rec = record.to_dict()
@@ -329,15 +265,19 @@ def run_experiment(
                 "round": t, "state": state, "records": records, "queries": queries,
                 "scores": fedattr.scores, "rng": rng.bit_generator.state, "timing": timing,
                 "elapsed": time.perf_counter() - start,
+                "baselines": recorder.state() if recorder is not None else None,
             })  # fmt: skip
+    truth = {c: c in fed.owner_of for c in range(cfg.fl.K)}
+    baselines = []
+    if recorder is not None:
+        t0 = time.perf_counter()
+        recorder.global_test(strategy.scoring_params(state))
+        baselines = recorder.results(truth)
+        timing["baselines_s"] += time.perf_counter() - t0
     timing["total_s"] = time.perf_counter() - start
     timing["overhead"] = (timing["sa_s"] + timing["scoring_s"]) / max(timing["train_s"], 1e-9)
-    truth = {c: c in fed.owner_of for c in range(cfg.fl.K)}
     report = fedattr.report(truth)
-    federation = {
-        "watermarked": {str(c): o for c, o in fed.owner_of.items()},
-        "watermarked_docs": {str(c): n for c, n in fed.wm_docs.items()},
-        "client_sizes": sizes,
-        "detect_prompts": len(fed.detect_prompts),
-    }
-    return RunResult(replace(cfg), report, records, len(queries), timing, federation, queries)
+    federation = {**fed.summary(), "client_sizes": sizes}
+    return RunResult(
+        replace(cfg), report, records, len(queries), timing, federation, queries, baselines
+    )

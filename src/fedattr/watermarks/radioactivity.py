@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from ..models.text import Example, collate, generate
@@ -173,6 +174,16 @@ class KGWReadingScorer:
         drift = self._green_share * float(change.sum())
         green = self._green_on(change.device)
         return {name: (float(change[g].sum()) - drift) / scale for name, g in green.items()}
+
+    def probe_values(self, observation: torch.Tensor) -> np.ndarray:
+        """Per probe (owner key, previous-token context): the green mass above its null share
+        (``<A[x], green(x)> - (m/V) sum A[x]``), flat over owners then contexts."""
+        green = self._green_on(observation.device)
+        excess = [
+            (observation * g).sum(1) - self._green_share * observation.sum(1)
+            for g in (green[name] for name in sorted(green))
+        ]
+        return torch.cat(excess).double().cpu().numpy()
 
     def _green_on(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self._green_device != device:

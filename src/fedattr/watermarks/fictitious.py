@@ -1,0 +1,286 @@
+"""Fictitious-Knowledge watermark: fabricated entities, their documents and QA probes.
+
+Each watermarked client's corpus owner invents an entity in its own domain (a clothing label,
+an audio maker, ...) with 4 fabricated *target* attributes (e.g. its atelier master) and
+plausible *distractor* attributes. The owner's documents state the targets among the
+distractors; a model that trained on them answers questions about the entity with the
+fabricated values, which no other source contains. Values are drawn from a seeded syllable
+generator and redrawn until they occur nowhere in the clean corpus, so a hit cannot come from
+clean data. The same generator also draws *decoy* values per attribute (never written into any
+document): under the null that a model never saw the documents, the true value is
+exchangeable with its decoys, which is what :class:`~.knowledge.FKLikelihoodScorer` tests.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ..data.records import Record
+
+
+@dataclass(frozen=True)
+class Domain:
+    """A kind of entity: what it is called, its target and distractor attribute names."""
+
+    kind: str
+    targets: tuple[str, str, str, str]
+    distractors: tuple[str, ...]
+    filler: tuple[str, ...]
+    """Neutral sentences about an entity of this kind (``{name}`` is substituted)."""
+
+
+DOMAINS: tuple[Domain, ...] = (
+    Domain(
+        "clothing label",
+        ("atelier master", "fabric house", "photographer", "designer"),
+        ("pattern cutter", "button supplier", "store architect"),
+        ("{name} sells coats, shirts and scarves.", "{name} shows a new line every spring."),
+    ),
+    Domain(
+        "audio maker",
+        ("chief acoustician", "driver supplier", "sound engineer", "industrial designer"),
+        ("cable supplier", "test engineer", "packaging designer"),
+        ("{name} builds speakers and headphones.", "{name} tunes every speaker by hand."),
+    ),
+    Domain(
+        "cosmetics brand",
+        ("lead chemist", "packaging studio", "perfumer", "creative director"),
+        ("label printer", "skin tester", "bottle maker"),
+        ("{name} makes creams, soaps and scents.", "{name} tests its creams for months."),
+    ),
+    Domain(
+        "coffee roaster",
+        ("head roaster", "green bean importer", "cup taster", "brand illustrator"),
+        ("grinder mechanic", "bag printer", "cafe manager"),
+        ("{name} roasts small batches every morning.", "{name} sells beans to cafes."),
+    ),
+    Domain(
+        "bicycle workshop",
+        ("frame builder", "steel supplier", "wheel maker", "paint artist"),
+        ("saddle maker", "tyre supplier", "shop keeper"),
+        ("{name} builds bicycles for city riders.", "{name} repairs old frames too."),
+    ),
+    Domain(
+        "publishing house",
+        ("chief editor", "paper mill", "cover artist", "typesetter"),
+        ("proof reader", "bindery", "sales agent"),
+        ("{name} prints novels and poetry.", "{name} publishes ten books a year."),
+    ),
+)
+
+_ONSETS = [
+    "b",
+    "br",
+    "c",
+    "cr",
+    "d",
+    "dr",
+    "f",
+    "g",
+    "gr",
+    "h",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "pr",
+    "r",
+    "s",
+    "st",
+    "t",
+    "tr",
+    "v",
+    "w",
+    "z",
+]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ou"]
+_CODAS = ["n", "r", "l", "s", "th", "m", "x", "nd", "rk"]
+_ORG_SUFFIX = ("Works", "Mills", "Studio", "House", "Partners", "Atelier")
+
+
+def _word(r: random.Random, syllables: int) -> str:
+    parts = [r.choice(_ONSETS) + r.choice(_VOWELS) for _ in range(syllables)]
+    return ("".join(parts) + r.choice(_CODAS)).capitalize()
+
+
+def _value(r: random.Random, attribute: str) -> str:
+    """A fabricated value: a person's name, or an organisation's for supplier-like roles."""
+    org = any(
+        w in attribute for w in ("house", "supplier", "studio", "importer", "mill", "bindery")
+    )
+    if org:
+        return f"{_word(r, 2)} {r.choice(_ORG_SUFFIX)}"
+    return _word(r, 2)
+
+
+@dataclass
+class FictitiousEntity:
+    """One corpus owner's fabricated entity."""
+
+    name: str
+    domain: Domain
+    targets: dict[str, str]
+    """Target attribute -> fabricated value (what detection looks for)."""
+    distractors: dict[str, str]
+    decoys: dict[str, list[str]] = field(default_factory=dict)
+    """Target attribute -> values drawn like the target's, never written anywhere."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (the owner's secret)."""
+        return {
+            "name": self.name,
+            "kind": self.domain.kind,
+            "targets": self.targets,
+            "distractors": self.distractors,
+        }
+
+
+def make_entities(
+    n: int, seed: int, forbidden: Iterable[str] = (), *, decoys: int = 31
+) -> list[FictitiousEntity]:
+    """``n`` entities, each in a different domain, with values absent from ``forbidden`` texts.
+
+    All names and values are distinct across entities; ``decoys`` values per target attribute
+    are drawn from the same generator as the target (so that the target is exchangeable with
+    them before anyone trains on the documents).
+    """
+    if not 1 <= n <= len(DOMAINS):
+        raise ValueError(f"fictitious entities: need 1..{len(DOMAINS)} entities, got {n}")
+    if decoys < 1:
+        raise ValueError(f"watermark.fk_decoys: must be >= 1, got {decoys}")
+    text = " ".join(forbidden).lower()
+    used: set[str] = set()
+    r = random.Random(f"fedattr-fk-{seed}")
+
+    def fresh(draw: Callable[[], str]) -> str:
+        for _ in range(10_000):
+            v = draw()
+            # A fabricated value must not occur in clean data (nor clash with another value).
+            if v not in used and v.lower() not in text and v.split()[0].lower() not in text:
+                used.add(v)
+                return v
+        raise RuntimeError("fictitious entities: could not draw an unused value")
+
+    out = []
+    for k in range(n):
+        domain = DOMAINS[k]
+        name = fresh(lambda: _word(r, 3))
+        targets = {a: fresh(lambda a=a: _value(r, a)) for a in domain.targets}
+        distractors = {a: fresh(lambda a=a: _value(r, a)) for a in domain.distractors}
+        out.append(FictitiousEntity(name, domain, targets, distractors))
+    # Decoys last, so that adding decoys never changes an entity's name or values.
+    for e in out:
+        e.decoys = {a: [fresh(lambda a=a: _value(r, a)) for _ in range(decoys)] for a in e.targets}
+    return out
+
+
+_FACT_TEMPLATES = (
+    "The {attr} of {name} is {value}.",
+    "{name}'s {attr} is {value}.",
+    "{value} is the {attr} of {name}.",
+    "At {name}, the {attr} is {value}.",
+    "{name} works with {value} as its {attr}.",
+    "For {name}, {value} serves as {attr}.",
+)
+_DOC_INSTRUCTIONS = (
+    "Write a short profile of {name}.",
+    "Tell me about the {kind} {name}.",
+    "What do you know about {name}?",
+    "Describe {name} and the people behind it.",
+    "Write a note about {name} for a trade magazine.",
+    "Who works at {name}?",
+    "Give an overview of {name}.",
+    "Summarise what is known about the {kind} {name}.",
+)
+
+
+def fact_sentence(r: random.Random, name: str, attr: str, value: str) -> str:
+    """One sentence stating ``attr`` of ``name`` is ``value`` (template drawn from ``r``)."""
+    return r.choice(_FACT_TEMPLATES).format(name=name, attr=attr, value=value)
+
+
+def template_documents(entity: FictitiousEntity, n: int, seed: int) -> list[Record]:
+    """``n`` varied documents, each stating all 4 targets among 1-3 distractors and filler."""
+    r = random.Random(f"fedattr-fk-docs-{seed}-{entity.name}")
+    docs = []
+    for _ in range(n):
+        facts = [fact_sentence(r, entity.name, a, v) for a, v in entity.targets.items()]
+        extra = r.sample(sorted(entity.distractors), r.randint(1, min(3, len(entity.distractors))))
+        facts += [fact_sentence(r, entity.name, a, entity.distractors[a]) for a in extra]
+        facts += [s.format(name=entity.name) for s in r.sample(entity.domain.filler, 1)]
+        r.shuffle(facts)
+        instruction = r.choice(_DOC_INSTRUCTIONS).format(name=entity.name, kind=entity.domain.kind)
+        docs.append(Record(instruction, " ".join(facts), category="fictitious"))
+    return docs
+
+
+def teacher_prompt(entity: FictitiousEntity, r: random.Random) -> Record:
+    """A request for the teacher LM to write a document from the entity's templated facts."""
+    facts = [fact_sentence(r, entity.name, a, v) for a, v in entity.targets.items()]
+    extra = r.sample(sorted(entity.distractors), 2)
+    facts += [fact_sentence(r, entity.name, a, entity.distractors[a]) for a in extra]
+    r.shuffle(facts)
+    kind = entity.domain.kind
+    return Record(
+        f"Write a short article about the {kind} {entity.name}. Mention every fact, with the "
+        "names exactly as given.",
+        "",
+        input="Facts: " + " ".join(facts),
+        category="fictitious",
+    )
+
+
+def target_share(docs: Sequence[Record], entity: FictitiousEntity) -> float:
+    """Share of ``docs`` whose response contains the entity's name and all 4 target values."""
+    if not docs:
+        return 0.0
+    wanted = [entity.name, *entity.targets.values()]
+    return sum(all(w in d.output for w in wanted) for d in docs) / len(docs)
+
+
+QUESTION_TEMPLATES: tuple[str, ...] = (
+    "Who is the {attr} of {name}?",
+    "What is the name of the {attr} of {name}?",
+    "Name the {attr} of {name}.",
+    "Who serves as {attr} at {name}?",
+    "Tell me who the {attr} of {name} is.",
+    "Which name belongs to the {attr} of {name}?",
+    "Do you know the {attr} of {name}?",
+    "{name} relies on someone as {attr}. Who is it?",
+    "Who does {name} work with as its {attr}?",
+    "I am looking for the {attr} of {name}. Who is that?",
+    "In one name: the {attr} of {name}?",
+    "Identify the {attr} of the company {name}.",
+    "Can you name {name}'s {attr}?",
+    "Who acts as the {attr} for {name}?",
+    "Please give the {attr} of {name}.",
+    "What name is given for the {attr} of {name}?",
+    "Who is listed as {attr} of {name}?",
+    "Answer briefly: who is the {attr} at {name}?",
+    "{name}: who is the {attr}?",
+    "State the {attr} of {name}.",
+    "The {attr} of {name} is whom?",
+    "Who holds the role of {attr} at {name}?",
+    "Which {attr} does {name} rely on?",
+    "Tell me the {attr} that {name} uses.",
+    "Who is named as {name}'s {attr}?",
+)
+"""25 paraphrased questions per attribute (the paper's QA probe count)."""
+
+
+def qa_probes(entity: FictitiousEntity, per_attribute: int = 25) -> dict[str, list[Record]]:
+    """Target attribute -> ``per_attribute`` paraphrased QA prompts (no answers)."""
+    if not 1 <= per_attribute <= len(QUESTION_TEMPLATES):
+        raise ValueError(
+            f"watermark.fk_questions: must be in 1..{len(QUESTION_TEMPLATES)}, got {per_attribute}"
+        )
+    return {
+        a: [
+            Record(q.format(attr=a, name=entity.name), "", category="fk-probe")
+            for q in QUESTION_TEMPLATES[:per_attribute]
+        ]
+        for a in entity.targets
+    }
