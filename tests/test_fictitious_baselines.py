@@ -124,10 +124,19 @@ def test_qa_scorers_null_on_a_model_that_never_saw_the_entities(micro_model):
     model, tok = micro_model
     ents = {f"fk:owner{k}": e for k, e in enumerate(make_entities(6, seed=11, decoys=31))}
     wrapped = _Random(model)
-    lik = FKLikelihoodScorer(wrapped, tok, ents, _set, questions=1)
+    lik = FKLikelihoodScorer(wrapped, tok, ents, _set, questions=1, statistic="rank")
+    assert lik.null == "theoretical"
     ref = lik.observe((0.0, 0))
-    zs = [z for s in range(1, 6) for z in lik.contrast(ref, lik.observe((0.5, s))).values()]
+    obs = [lik.observe((0.5, s)) for s in range(1, 6)]
+    zs = [z for o in obs for z in lik.contrast(ref, o).values()]
     assert abs(np.mean(zs)) < 0.8 and max(zs) < 3.5  # 30 null draws of a N(0, 1)-like z
+    # The margin (nats) is centred too, and asks FedAttr for the empirical null.
+    lik.statistic, lik.null = "margin", "empirical"
+    margins = [m for o in obs for m in lik.contrast(ref, o).values()]
+    assert abs(np.mean(margins)) < 3 * np.std(margins) / np.sqrt(len(margins)) + 1e-9
+    assert lik.calibrated_contrast(ref, obs[0]) == pytest.approx(
+        dict(zip(lik.owners, zs[:6], strict=True))
+    )
     hits = FKHitRateScorer(model, tok, dict(list(ents.items())[:2]), lambda m, p: None,
                            questions=3, max_new_tokens=6)  # fmt: skip
     obs = hits.observe(None)
@@ -218,6 +227,10 @@ def test_fk_config_errors_name_the_parameter():
         load(RunConfig, None, ["watermark.kind=radioactive"])
     with pytest.raises(ValueError, match=r"watermark\.r"):
         load(RunConfig, None, ["watermark.kind=fk", "watermark.r=7"])
+    with pytest.raises(ValueError, match=r"attribution\.null"):
+        load(RunConfig, None, ["attribution.null=bayes"])
+    with pytest.raises(ValueError, match=r"watermark\.fk_statistic"):
+        load(RunConfig, None, ["watermark.fk_statistic=mean"])
     with pytest.raises(ValueError, match=r"watermark\.fk_writer"):
         load(RunConfig, None, ["watermark.fk_writer=poet"])
 
@@ -234,6 +247,8 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     assert {c["statistic"] for c in d["clients"]} == {"fk:owner0"}
     wm = d["federation"]["watermarked"]
     assert d["federation"]["doc_target_share"] == {str(c): 1.0 for c in wm}
+    # The FK margin has no null scale of its own: under null = auto FedAttr goes empirical.
+    assert d["null"] == ("empirical" if detector == "reading" else "theoretical")
     names = [b["name"] for b in d["baselines"]]
     assert names == ["Global model", "Direct (oracle)", "FLDetector",
                      "FLForensics (HDBSCAN)", "FLForensics (k-means)"]  # fmt: skip

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 
 from fedattr.attribution import build_report, stouffer, upper_tail
@@ -31,3 +32,20 @@ def test_report_flags_rates_and_partial_participation():
     md = r.to_markdown()
     assert "| 0 | yes |" in md and "TPR = 50.0%" in md
     assert build_report({0: {1: 1.0}}, 4.0).tpr is None
+
+
+def test_empirical_null_standardises_each_round_robustly():
+    from fedattr.attribution.stouffer import empirical_null
+
+    rng = np.random.default_rng(0)
+    # 40 benign clients whose scores are N(2, 3^2) (shifted and widened by cross-talk) and one
+    # outlier: after standardisation the benign bulk is ~N(0, 1) and the outlier stands out.
+    scores = {c: {t: 2 + 3 * rng.normal() for t in (1, 2)} for c in range(40)}
+    scores[40] = {1: 30.0, 2: 30.0}
+    out = empirical_null(scores)
+    bulk = np.array([out[c][t] for c in range(40) for t in (1, 2)])
+    assert abs(np.median(bulk)) < 0.3 and 0.7 < bulk.std() < 1.4
+    assert out[40][1] > 6
+    # Too few clients, or no spread: left as is.
+    assert empirical_null({0: {1: 5.0}, 1: {1: 1.0}}) == {0: {1: 5.0}, 1: {1: 1.0}}
+    assert empirical_null({c: {1: 1.0} for c in range(5)}) == {c: {1: 1.0} for c in range(5)}

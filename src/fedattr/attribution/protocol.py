@@ -15,7 +15,7 @@ from ..updates import add_update
 from .design import DesignError, draw_design, validate_parameters
 from .estimator import estimate_update, estimate_update_fused
 from .scoring import DEFAULT_STATISTIC, ApplyUpdate, DifferentialScorer, PairedScorer, Scorer
-from .stouffer import AttributionReport, build_report, combine_reports
+from .stouffer import AttributionReport, build_report, combine_reports, empirical_null
 
 
 @dataclass
@@ -39,8 +39,18 @@ class AttributionConfig:
     policy_attempts: int = 20
     """Designs tried per target (after release-policy refusals or failed queries) before the
     target is skipped for the round."""
+    null: str = "auto"
+    """``theoretical`` (the paper): each differential score is taken as N(0, 1) under the null.
+    ``empirical``: each round's scores per statistic are standardised by their median and MAD
+    over the round's targets before Stouffer (see ``stouffer.empirical_null``). ``auto``:
+    empirical for a scorer whose statistic has no null scale of its own (it says so with
+    ``null = "empirical"``, e.g. the FK margin), theoretical otherwise."""
 
     def __post_init__(self) -> None:
+        if self.null not in ("auto", "theoretical", "empirical"):
+            raise DesignError(
+                f"attribution.null: must be auto, theoretical or empirical, got {self.null!r}"
+            )
         if self.mode not in ("paper", "hardened"):
             raise DesignError(f"attribution.mode: must be paper or hardened, got {self.mode!r}")
         if not isinstance(self.policy_attempts, int) or self.policy_attempts < 1:
@@ -98,6 +108,12 @@ class RoundRecord:
         return asdict(self)
 
 
+def resolve_scorer_null(scorer: Any) -> str:
+    """``empirical`` when the scorer's statistic has no null scale of its own, else
+    ``theoretical``."""
+    return "empirical" if getattr(scorer, "null", "theoretical") == "empirical" else "theoretical"
+
+
 class FedAttr:
     """Runs FedAttr over rounds and accumulates per-client differential scores."""
 
@@ -106,6 +122,13 @@ class FedAttr:
         # statistic -> client -> round -> differential score
         self.scores: dict[str, dict[int, dict[int, float]]] = {}
         self.rounds: list[RoundRecord] = []
+        self.scorer_null = "theoretical"
+        """What the last scorer said about its null (``null`` attribute; see ``null``)."""
+
+    @property
+    def null(self) -> str:
+        """The null in force: the configured one, or the scorer's under ``auto``."""
+        return self.scorer_null if self.config.null == "auto" else self.config.null
 
     def attribute_round(
         self,
@@ -126,6 +149,7 @@ class FedAttr:
         cfg = self.config
         participants: Sequence[int] = sa.clients
         validate_parameters(len(participants), cfg.N, cfg.M, sa.min_members)
+        self.scorer_null = resolve_scorer_null(scorer)
         differential = DifferentialScorer(scorer, reference, apply or add_update)
         record = RoundRecord(round_id, list(participants), differential.reference_score)
         hardened = cfg.mode == "hardened"
@@ -225,6 +249,8 @@ class FedAttr:
         reports = []
         for name in names or [DEFAULT_STATISTIC]:
             scores = dict(self.scores.get(name, {}))
+            if self.null == "empirical":
+                scores = empirical_null(scores)
             for cid in truth or {}:
                 scores.setdefault(cid, {})
             reports.append(build_report(scores, self.config.gamma, truth, statistic=name))

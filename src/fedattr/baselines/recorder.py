@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..attribution.scoring import as_statistics, is_paired
-from ..attribution.stouffer import build_report, combine_reports, upper_tail
+from ..attribution.stouffer import build_report, combine_reports, empirical_null, upper_tail
 from ..updates import Update
 from .fldetector import FLDetector
 from .flforensics import cluster_hdbscan, cluster_kmeans
@@ -83,11 +83,12 @@ class BaselineRecorder:
         gamma: float = 4.0,
         seed: int = 0,
         window: int = 5,
+        null: str = "theoretical",
     ) -> None:
         if not callable(getattr(probe, "probe_values", None)):
             raise ValueError("BaselineRecorder: the probe scorer needs probe_values()")
         self.scorer, self.probe, self.apply = scorer, probe, apply
-        self.gamma, self.seed = gamma, seed
+        self.gamma, self.seed, self.null = gamma, seed, null
         self.paired = is_paired(scorer)
         # The base model (before round 1) is the null for the absolute tests.
         self._null = scorer.observe(null_params) if self.paired else None
@@ -126,8 +127,13 @@ class BaselineRecorder:
         )
 
     def global_test(self, final_params: Any) -> dict[str, float]:
-        """The detector on the final global model (stored for :meth:`results`)."""
-        self.global_z, _ = self.absolute(final_params)
+        """The detector on the final global model (stored for :meth:`results`); a scorer
+        whose statistic needs an empirical null is asked for its calibrated test instead."""
+        if self.paired and callable(getattr(self.scorer, "calibrated_contrast", None)):
+            obs = self.scorer.observe(final_params)
+            self.global_z = as_statistics(self.scorer.calibrated_contrast(self._null, obs))
+        else:
+            self.global_z, _ = self.absolute(final_params)
         return self.global_z
 
     def state(self) -> dict:
@@ -157,8 +163,10 @@ class BaselineRecorder:
                 detail={"z": self.global_z, "detected": best > self.gamma},
             ))  # fmt: skip
         if self.direct:
+            # The same null as FedAttr's, so that both read their scores alike.
+            norm = empirical_null if self.null == "empirical" else dict
             reports = [
-                build_report(self.direct[name], self.gamma, truth, statistic=name)
+                build_report(norm(self.direct[name]), self.gamma, truth, statistic=name)
                 for name in sorted(self.direct)
             ]
             rep = reports[0] if len(reports) == 1 else combine_reports(reports)

@@ -76,6 +76,11 @@ class WatermarkConfig:
     """Paraphrased QA probes per attribute for the greedy FK detector."""
     fk_reading_questions: int = 2
     """Questions per attribute read by the FK reading detector (its noise is in the decoys)."""
+    fk_statistic: str = "margin"
+    """FK reading detector: ``margin`` (the true value's log-probability margin over its
+    decoys, in nats; FedAttr standardises it with the empirical null, ``attribution.null =
+    "auto"``) or ``rank`` (exact rank test per attribute, Fisher; scale-free, so cross-talk
+    flips its sign rather than shrinking it: see README Finding 5)."""
     fk_decoys: int = 31
     """Decoy values per attribute for the FK reading detector's rank test."""
     fk_answer_tokens: int = 24
@@ -87,6 +92,10 @@ class WatermarkConfig:
     def __post_init__(self) -> None:
         if self.kind not in ("kgw", "fk"):
             raise ValueError(f"watermark.kind: must be kgw or fk, got {self.kind!r}")
+        if self.fk_statistic not in ("rank", "margin"):
+            raise ValueError(
+                f"watermark.fk_statistic: must be rank or margin, got {self.fk_statistic!r}"
+            )
         if self.fk_writer not in ("template", "teacher"):
             raise ValueError(
                 f"watermark.fk_writer: must be template or teacher, got {self.fk_writer!r}"

@@ -158,8 +158,9 @@ def make_scorer(cfg: RunConfig, model, tokenizer, fed: Federation, strategy: Str
                 max_new_tokens=wm.fk_answer_tokens,
             )  # fmt: skip
         return FKLikelihoodScorer(
-            model, tokenizer, fed.owners, load, questions=wm.fk_reading_questions
-        )
+            model, tokenizer, fed.owners, load, questions=wm.fk_reading_questions,
+            statistic=wm.fk_statistic,
+        )  # fmt: skip
     if detector == "greedy":
         return KGWModelScorer(
             model, tokenizer, fed.detect_prompts, fed.owners, load,

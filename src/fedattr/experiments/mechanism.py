@@ -71,6 +71,17 @@ def _series(est: dict, client: str) -> dict[int, float]:
     return {int(t): v for t, v in per[best].items()}
 
 
+def _finish(fig, ax, title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_mechanism(est: dict, out: str | Path) -> list[Path]:
     """Write ``fig2a_direct_vs_differential.png`` ... ``fig2d_stouffer_vs_rounds.png``."""
     import matplotlib
@@ -104,12 +115,11 @@ def plot_mechanism(est: dict, out: str | Path) -> list[Path]:
     ax.set_xticks(x, [f"{c}{'*' if is_wm[c] else ''}" for c in clients])
     ax.set_xlabel("client (* = watermarked)")
     ax.set_ylabel(f"score at round {last}")
-    ax.set_title("(a) direct vs differential score")
-    ax.legend(fontsize=8)
-    paths.append(out / "fig2a_direct_vs_differential.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(
+        _finish(
+            fig, ax, "(a) direct vs differential score", out / "fig2a_direct_vs_differential.png"
+        )
+    )
 
     # (b) per-round differential scores
     fig, ax = plt.subplots(figsize=(7, 3.6))
@@ -120,14 +130,14 @@ def plot_mechanism(est: dict, out: str | Path) -> list[Path]:
     ax.axhline(est["eps_hat"], color="tab:blue", ls="--", label=f"ε̂ = {est['eps_hat']:.2f}")
     ax.axhline(est["eps_hat"] + est["m_hat"], color="tab:red", ls="--",
                label=f"ε̂ + m̂ (m̂ = {est['m_hat']:.2f})")  # fmt: skip
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("round t")
     ax.set_ylabel("differential z_i^t")
-    ax.set_title("(b) watermarked (red) vs benign (blue)")
-    ax.legend(fontsize=8)
-    paths.append(out / "fig2b_per_round_scores.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(
+        _finish(
+            fig, ax, "(b) watermarked (red) vs benign (blue)", out / "fig2b_per_round_scores.png"
+        )
+    )
 
     # (c) residual histogram with the fitted Gaussian
     fig, ax = plt.subplots(figsize=(5, 3.6))
@@ -138,12 +148,7 @@ def plot_mechanism(est: dict, out: str | Path) -> list[Path]:
     ax.plot(grid, np.exp(-0.5 * (grid / nu) ** 2) / (nu * math.sqrt(2 * math.pi)), "k-",
             label=f"N(0, ν̂²), ν̂ = {nu:.2f}")  # fmt: skip
     ax.set_xlabel("centred residual z − μ̂")
-    ax.set_title("(c) residuals")
-    ax.legend(fontsize=8)
-    paths.append(out / "fig2c_residuals.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_finish(fig, ax, "(c) residuals", out / "fig2c_residuals.png"))
 
     # (d) Stouffer Z over the first T' rounds
     fig, ax = plt.subplots(figsize=(7, 3.6))
@@ -154,14 +159,10 @@ def plot_mechanism(est: dict, out: str | Path) -> list[Path]:
         ax.plot(range(1, len(ts) + 1), Z, marker="o", color=colour[is_wm[c]],
                 alpha=0.8 if is_wm[c] else 0.4, lw=1)  # fmt: skip
     ax.axhline(est["gamma"], color="k", ls=":", label=f"γ = {est['gamma']}")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("rounds T'")
     ax.set_ylabel("Stouffer Z")
-    ax.set_title("(d) Stouffer Z vs rounds")
-    ax.legend(fontsize=8)
-    paths.append(out / "fig2d_stouffer_vs_rounds.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_finish(fig, ax, "(d) Stouffer Z vs rounds", out / "fig2d_stouffer_vs_rounds.png"))
     return paths
 
 

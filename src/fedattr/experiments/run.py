@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..attribution.protocol import FedAttr
+from ..attribution.protocol import FedAttr, resolve_scorer_null
 from ..attribution.stouffer import AttributionReport
 from ..baselines import BaselineRecorder, BaselineResult
 from ..config import to_dict
@@ -46,12 +46,15 @@ class RunResult:
     federation: dict
     queries: list[dict] = field(default_factory=list)
     baselines: list[BaselineResult] = field(default_factory=list)
+    null: str = "theoretical"
+    """The null the differential scores were read under (``attribution.null`` resolved)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form (``results.json``)."""
         out = self.report.to_dict()
         out.update(
             mode=self.config.attribution.mode,
+            null=self.null,
             sa_queries=self.sa_queries,
             timing=self.timing,
             federation=self.federation,
@@ -70,6 +73,7 @@ class RunResult:
             f"# FedAttr run: {c.fl.strategy}, {c.watermark.kind.upper()} "
             f"({c.watermark.detector} detector), {c.model.preset} ({c.attribution.mode} mode)"
             f"\n\nK={c.fl.K}, T={c.fl.rounds}, N={c.attribution.N}, M={c.attribution.M}, "
+            f"{self.null} null, "
             f"SA backend `{c.secagg.backend}` ({self.sa_queries} SA queries).\n\n"
             + self.report.to_markdown()
             + "\n\n| stage | seconds |\n|---|---|\n"
@@ -103,6 +107,11 @@ def baseline_markdown(results: list[BaselineResult]) -> str:
         "\n\n## Baselines (same training run)\n\n| baseline | respects SA | flagged | TPR | FPR "
         "| p |\n|---|---|---|---|---|---|\n" + "\n".join(rows)
     )
+
+
+def fedattr_null(configured: str, scorer) -> str:
+    """The null FedAttr will use with this scorer (``attribution.null``, ``auto`` resolved)."""
+    return resolve_scorer_null(scorer) if configured == "auto" else configured
 
 
 CHECKPOINT = "state.pt"
@@ -162,10 +171,12 @@ def run_experiment(
         recorder = BaselineRecorder(
             scorer, probe, strategy.apply_estimate, strategy.scoring_params(state),
             gamma=cfg.attribution.gamma, seed=cfg.fl.seed,
+            null=fedattr_null(cfg.attribution.null, scorer),
         )  # fmt: skip
         timing["baselines_s"] = time.perf_counter() - t0
     sa = make_aggregator(cfg.secagg)
     fedattr = FedAttr(cfg.attribution)
+    fedattr.scorer_null = resolve_scorer_null(scorer)  # also right when resuming a finished run
     rng = np.random.default_rng([cfg.fl.seed, 11])
     per_round = max(1, round(cfg.fl.participation * cfg.fl.K))
     records: list[dict] = []
@@ -279,5 +290,13 @@ def run_experiment(
     report = fedattr.report(truth)
     federation = {**fed.summary(), "client_sizes": sizes}
     return RunResult(
-        replace(cfg), report, records, len(queries), timing, federation, queries, baselines
+        replace(cfg),
+        report,
+        records,
+        len(queries),
+        timing,
+        federation,
+        queries,
+        baselines,
+        fedattr.null,
     )

@@ -154,8 +154,14 @@ class FKLikelihoodScorer:
         load: Callable[[object, dict], None],
         *,
         questions: int = 4,
+        statistic: str = "margin",
         batch_size: int = 256,
     ) -> None:
+        if statistic not in ("rank", "margin"):
+            raise ValueError(f"watermark.fk_statistic: must be rank or margin, got {statistic!r}")
+        self.statistic = statistic
+        # The margin is in nats, with no null scale: FedAttr standardises it empirically.
+        self.null = "empirical" if statistic == "margin" else "theoretical"
         if not entities:
             raise ValueError(
                 "FKLikelihoodScorer: no fictitious entities to test (watermark.r = 0?)"
@@ -229,7 +235,21 @@ class FKLikelihoodScorer:
         return (0.5 + above) / self.candidates
 
     def contrast(self, reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
-        """Per owner: Fisher-combined z of the per-attribute rank tests."""
+        """Per owner: Fisher-combined z of the per-attribute rank tests (``rank``), or the
+        mean change of the true value's log-probability margin over its decoys in nats
+        (``margin``: linear in small changes, no null scale of its own; for the empirical
+        null)."""
+        if self.statistic == "margin":
+            margin = self.probe_values(candidate) - self.probe_values(reference)
+            per_owner = margin.reshape(len(self.owners), -1).mean(1)
+            return {o: float(per_owner[i]) for i, o in enumerate(self.owners)}
+        return self.calibrated_contrast(reference, candidate)
+
+    def calibrated_contrast(
+        self, reference: torch.Tensor, candidate: torch.Tensor
+    ) -> dict[str, float]:
+        """The rank test's Fisher z, whatever ``statistic`` says: the test with an exact null,
+        for a single comparison (e.g. the global-model test) where no empirical null exists."""
         ps = self.attribute_pvalues(reference, candidate)
         return {o: fisher_z(ps[i].tolist()) for i, o in enumerate(self.owners)}
 
