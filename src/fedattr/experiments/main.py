@@ -174,7 +174,9 @@ def _pct(ms: tuple[float, float] | None) -> str:
 
 
 def _p(p: float | None) -> str:
-    return "–" if p is None else f"{p:.1e}"
+    if p is None:
+        return "–"
+    return "<1e-300" if p == 0 else f"{p:.1e}"  # 0: underflow of 1 - Phi(Z), not a zero
 
 
 def write_tables(summary: dict, out: Path) -> None:

@@ -6,7 +6,8 @@ through the alpha weights, and the round's common direction), ``m`` the watermar
 client's own update, ``nu`` the spread. A watermarked client is read under its own owner's
 statistic; a benign client under every owner's statistic (each is a sample of the benign
 behaviour) for the estimates, and under its strongest statistic for the Stouffer curve (the
-flag rule).
+flag rule). Under the empirical null (``results.json`` says ``null``) the scores are first
+standardised as FedAttr's Stouffer read them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+
+from ..attribution.stouffer import empirical_null
 
 
 def _load(run_dir: Path) -> tuple[dict, list[dict]]:
@@ -40,6 +43,13 @@ def estimate(run_dir: str | Path) -> dict:
     results, rounds = _load(Path(run_dir))
     owner_of = {int(c): o for c, o in results["federation"]["watermarked"].items()}
     z = scores_by_client(rounds)
+    if results.get("null") == "empirical":
+        # Read the scores as FedAttr's Stouffer did: standardised per round and statistic.
+        stats = {s for per in z.values() for s in per}
+        for stat in stats:
+            std = empirical_null({c: per[stat] for c, per in z.items() if stat in per})
+            for c, per in std.items():
+                z[c][stat] = per
     wm_z = [v for c, o in owner_of.items() for v in z.get(c, {}).get(o, {}).values()]
     benign = [c for c in z if c not in owner_of]
     ben_z = [v for c in benign for per in z[c].values() for v in per.values()]
@@ -54,6 +64,7 @@ def estimate(run_dir: str | Path) -> dict:
         "eps_hat": eps,
         "nu_hat": nu,
         "gamma": results["gamma"],
+        "null": results.get("null", "theoretical"),
         "watermarked": {str(c): o for c, o in owner_of.items()},
         "rounds": len(rounds),
         "residuals": resid,
@@ -170,7 +181,7 @@ def write_mechanism(run_dir: str | Path, out: str | Path) -> dict:
     """Estimates to ``mechanism.json`` and the four panels to ``out``."""
     est = estimate(run_dir)
     plot_mechanism(est, out)
-    summary = {k: est[k] for k in ("m_hat", "eps_hat", "nu_hat", "gamma", "rounds")}
+    summary = {k: est[k] for k in ("m_hat", "eps_hat", "nu_hat", "gamma", "rounds", "null")}
     summary["watermarked"] = est["watermarked"]
     summary["run"] = str(run_dir)
     Path(out, "mechanism.json").write_text(json.dumps(summary, indent=2))
