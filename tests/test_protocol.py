@@ -78,3 +78,34 @@ def test_round_too_small_for_the_design_is_a_clear_error():
         sa.submit(j, torch.zeros(3))
     with pytest.raises(DesignError, match="N: the subset size must satisfy 1 <= N < K-1 = 5"):
         fed.attribute_round(1, sa, torch.zeros(3), LinearScorer(torch.ones(3)))
+
+
+def test_centering_removes_the_common_direction_from_every_score():
+    # Every client's update is a common step along the scorer's direction plus its own noise
+    # orthogonal to it: uncentred, each differential score carries the common step; centred on
+    # the round's mean, none does (the linear scorer then sees only the deviations).
+    K, d = 8, 32
+    gen = torch.Generator().manual_seed(0)
+    s = torch.zeros(d, dtype=torch.float64)
+    s[0] = 1.0
+    updates = {}
+    for c in range(K):
+        noise = torch.randn(d, generator=gen, dtype=torch.float64)
+        noise[0] = 0.0
+        updates[c] = (2.0 * s + noise).float()
+    mean = torch.stack(list(updates.values())).mean(0)
+    scores = {}
+    for center in (False, True):
+        sa = make_aggregator(SecAggConfig(backend="plaintext", min_members=2))
+        sa.open_round(1, list(range(K)))
+        for c, u in updates.items():
+            sa.submit(c, u)
+        fa = FedAttr(AttributionConfig(N=3, M=4, center=center))
+        rec = fa.attribute_round(1, sa, torch.zeros(d), LinearScorer(s), center=mean)
+        scores[center] = [t.z["score"] for t in rec.targets]
+    assert np.allclose(scores[False], 2.0, atol=1e-4)
+    assert np.allclose(scores[True], 0.0, atol=1e-4)
+    with pytest.raises(ValueError, match="center"):
+        FedAttr(AttributionConfig(N=3, M=4, center=True)).attribute_round(
+            1, sa, torch.zeros(d), LinearScorer(s)
+        )

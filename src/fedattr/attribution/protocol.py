@@ -39,6 +39,11 @@ class AttributionConfig:
     policy_attempts: int = 20
     """Designs tried per target (after release-policy refusals or failed queries) before the
     target is skipped for the round."""
+    center: bool = False
+    """``False`` (the paper): score ``w^{t-1} + Delta_hat_i`` against ``w^{t-1}``. ``True``:
+    score ``w^{t-1} + Delta_bar + (Delta_hat_i - Delta_bar)`` against ``w^{t-1} + Delta_bar``
+    (``Delta_bar`` = the round's SA mean, passed as ``center``), so that the round's common
+    learning direction is in both models and only the client's deviation from it is tested."""
     null: str = "auto"
     """``theoretical`` (the paper): each differential score is taken as N(0, 1) under the null.
     ``empirical``: each round's scores per statistic are standardised by their median and MAD
@@ -140,6 +145,7 @@ class FedAttr:
         targets: Iterable[int] | None = None,
         apply: ApplyUpdate | None = None,
         on_target: Any = None,
+        center: Any = None,
     ) -> RoundRecord:
         """Attribute every target of the open SA round against ``reference`` = w^{t-1}.
 
@@ -150,7 +156,15 @@ class FedAttr:
         participants: Sequence[int] = sa.clients
         validate_parameters(len(participants), cfg.N, cfg.M, sa.min_members)
         self.scorer_null = resolve_scorer_null(scorer)
-        differential = DifferentialScorer(scorer, reference, apply or add_update)
+        apply = apply or add_update
+        if cfg.center:
+            if center is None:
+                raise ValueError("attribution.center: needs the round's SA mean (center=...)")
+            reference = apply(reference, center)
+            minus_center = (
+                {k: -v for k, v in center.items()} if isinstance(center, Mapping) else -center
+            )
+        differential = DifferentialScorer(scorer, reference, apply)
         record = RoundRecord(round_id, list(participants), differential.reference_score)
         hardened = cfg.mode == "hardened"
         order = list(participants if targets is None else targets)
@@ -201,6 +215,8 @@ class FedAttr:
                 record.skipped.append(target)
                 continue
             estimate = sa.layout.unflatten(flat)
+            if cfg.center:
+                estimate = add_update(estimate, minus_center)
             t1 = time.perf_counter()
             z = differential(estimate)
             t2 = time.perf_counter()

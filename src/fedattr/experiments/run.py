@@ -248,8 +248,9 @@ def run_experiment(
 
         t0 = time.perf_counter()
         record = fedattr.attribute_round(
-            t, sa, reference, scorer, apply=strategy.apply_estimate, on_target=on_target
-        )
+            t, sa, reference, scorer, apply=strategy.apply_estimate, on_target=on_target,
+            center=mean_update,
+        )  # fmt: skip
         bar.close()
         # The reference model's scoring happens inside attribute_round, outside any target.
         timing["scoring_s"] += (time.perf_counter() - t0) - sum(

@@ -13,7 +13,11 @@ separately and the attributes combined with Fisher's method (:func:`fisher_z`):
   the value in no answer gives no evidence at all, however close it came.
 * :class:`FKLikelihoodScorer` (fedattr's): the teacher-forced log-probability of each target
   value and of its decoys (values drawn by the same generator, never written anywhere) as the
-  answer to the questions. For a change, ``delta_c`` = the mean change of ``log p(c | q)``
+  answer to the questions. Its default statistic is the *margin*: the change of the true
+  values' log-probability over their decoys' mean, in nats, averaged over attributes and
+  questions; linear in small changes, so FedAttr's cross-talk stays proportional to the alpha
+  weights, and read under FedAttr's empirical null (it has no null scale of its own). Its
+  *rank* statistic: for a change, ``delta_c`` = the mean change of ``log p(c | q)``
   over the questions; the per-attribute p-value is the rank of the true value among its
   ``L`` decoys, as a mid-p ``(#{decoys with delta > delta_true} + 1/2) / (L + 1)``. Under the
   null (the change does not depend on which value the owner drew) the true value is
@@ -144,7 +148,7 @@ class FKHitRateScorer:
 
 
 class FKLikelihoodScorer:
-    """fedattr's FK detector: rank of the true value's log-probability change among decoys."""
+    """fedattr's FK detector: the true values' log-probabilities against their decoys'."""
 
     def __init__(
         self,
