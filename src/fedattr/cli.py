@@ -102,40 +102,18 @@ def _cmd_experiment_main(args: argparse.Namespace) -> int:
 
 
 def _cmd_experiment_mechanism(args: argparse.Namespace) -> int:
-    import shutil
     from pathlib import Path
 
-    from .config import load, to_dict
-    from .experiments.config import PRESET_OVERRIDES, RunConfig
-    from .experiments.main import WATERMARK_OVERRIDES
+    from .experiments.main import MainSpec, run_or_reuse
     from .experiments.mechanism import write_mechanism
-    from .experiments.run import run_experiment
 
-    if args.preset not in WATERMARK_OVERRIDES:
-        raise ValueError(f"--preset: must be one of {', '.join(WATERMARK_OVERRIDES)}")
     if args.watermark not in ("kgw", "fk"):
         raise ValueError(f"--watermark: must be kgw or fk, got {args.watermark!r}")
-    sets = [
-        *PRESET_OVERRIDES[args.preset],
-        *WATERMARK_OVERRIDES[args.preset][args.watermark],
-        f"watermark.kind={args.watermark}",
-        f"fl.strategy={args.strategy}",
-        f"fl.seed={args.seed}",
-        f"fl.rounds={args.rounds}",
-        "baselines=true",
-        *args.set,
-    ]
-    cfg = load(RunConfig, args.config, sets)
+    spec = MainSpec(args.preset, [args.seed], args.config, [f"fl.rounds={args.rounds}", *args.set])
+    cfg = spec.run_config(args.strategy, args.watermark, args.seed)
     out = Path(args.out or f"runs/mechanism-{args.preset}-{args.strategy}-{args.watermark}")
     run_dir = out / "run"
-    if not (run_dir / "results.json").is_file():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        result = run_experiment(cfg, checkpoint_dir=run_dir / "checkpoint")
-        result.write(run_dir)
-        shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
-    elif json.loads((run_dir / "config.json").read_text()) != json.loads(json.dumps(to_dict(cfg))):
-        raise ValueError(f"--out: {str(run_dir)!r} holds a run with another configuration")
+    run_or_reuse(cfg, run_dir)
     summary = write_mechanism(run_dir, out)
     print(
         f"m̂ = {summary['m_hat']:.3f}, ε̂ = {summary['eps_hat']:.3f}, ν̂ = {summary['nu_hat']:.3f} "

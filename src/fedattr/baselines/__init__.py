@@ -6,7 +6,7 @@ not respect secure aggregation; tables mark this in their SA column.
 
 from .fldetector import FLDetector, gap_statistic, lbfgs_hvp
 from .flforensics import cluster_hdbscan, cluster_kmeans
-from .recorder import BaselineRecorder, BaselineResult, flatten
+from .recorder import BaselineRecorder, BaselineResult
 
 __all__ = [
     "BaselineRecorder",
@@ -14,7 +14,6 @@ __all__ = [
     "FLDetector",
     "cluster_hdbscan",
     "cluster_kmeans",
-    "flatten",
     "gap_statistic",
     "lbfgs_hvp",
 ]

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..attribution.scoring import as_statistics, is_paired
 from ..attribution.stouffer import build_report, combine_reports, empirical_null, upper_tail
-from ..updates import Update
+from ..updates import Update, UpdateLayout
 from .fldetector import FLDetector
 from .flforensics import cluster_hdbscan, cluster_kmeans
 
@@ -61,13 +60,6 @@ def _rates(flagged: list[int], truth: Mapping[int, bool]) -> tuple[float | None,
     tpr = sum(c in flagged for c in wm) / len(wm) if wm else None
     fpr = sum(c in flagged for c in clean) / len(clean) if clean else None
     return tpr, fpr
-
-
-def flatten(update: Update) -> np.ndarray:
-    """An update as one float64 vector (keys in sorted order)."""
-    return torch.cat(
-        [update[k].detach().reshape(-1).double().cpu() for k in sorted(update)]
-    ).numpy()
 
 
 class BaselineRecorder:
@@ -122,8 +114,10 @@ class BaselineRecorder:
                 self.direct.setdefault(name, {}).setdefault(c, {})[round_id] = z
             change = self._probe_values(candidate, obs) - base
             self.influence[c] = self.influence.get(c, 0.0) + change
+        # The SA layout's flattening: one float64 vector per update, each checked against it.
+        layout = UpdateLayout.of(mean_update)
         self.fldetector.observe_round(
-            {c: flatten(u) for c, u in updates.items()}, flatten(mean_update)
+            {c: layout.flatten(u) for c, u in updates.items()}, layout.flatten(mean_update)
         )
 
     def global_test(self, final_params: Any) -> dict[str, float]:

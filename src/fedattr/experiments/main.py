@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..config import load, to_dict
 from .config import PRESET_OVERRIDES, RunConfig
-from .run import run_experiment
+from .run import RunResult, run_experiment
 
 SETTINGS: tuple[tuple[str, str], ...] = (
     ("fedit", "kgw"),
@@ -82,6 +82,30 @@ def run_name(strategy: str, watermark: str, seed: int) -> str:
     return f"{strategy}-{watermark}-seed{seed}"
 
 
+def run_or_reuse(
+    cfg: RunConfig, folder: Path, progress: Callable[[str], None] | None = None
+) -> RunResult | None:
+    """Run ``cfg`` into ``folder`` (resuming its checkpoint if one is there), or keep the
+    finished run already there: ``None`` then. A finished run of another configuration is an
+    error naming ``--out``. ``progress`` hears ``"<folder>: running"`` before a run starts."""
+    if (folder / "results.json").is_file():
+        saved = json.loads((folder / "config.json").read_text())
+        if saved != json.loads(json.dumps(to_dict(cfg))):
+            raise ValueError(
+                f"--out: {str(folder)!r} was run with another configuration; "
+                "choose another --out or remove it"
+            )
+        return None
+    if progress is not None:
+        progress(f"{folder.name}: running")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    result = run_experiment(cfg, checkpoint_dir=folder / "checkpoint")
+    result.write(folder)
+    shutil.rmtree(folder / "checkpoint", ignore_errors=True)  # finished: results supersede it
+    return result
+
+
 def run_main(
     spec: MainSpec, out: str | Path, progress: Callable[[str], None] | None = None
 ) -> dict:
@@ -94,22 +118,12 @@ def run_main(
     plan = [(s, w, seed, spec.run_config(s, w, seed)) for s, w in SETTINGS for seed in spec.seeds]
     for i, (s, w, seed, cfg) in enumerate(plan, 1):
         folder = out / run_name(s, w, seed)
-        if (folder / "results.json").is_file():
-            saved = json.loads((folder / "config.json").read_text())
-            if saved != json.loads(json.dumps(to_dict(cfg))):
-                raise ValueError(
-                    f"--out: {str(folder)!r} was run with another configuration; "
-                    "choose another --out or remove it"
-                )
+        result = run_or_reuse(cfg, folder, lambda m, i=i: say(f"[{i}/{len(plan)}] {m}"))
+        if result is None:
             say(f"[{i}/{len(plan)}] {folder.name}: finished earlier, kept")
-            continue
-        say(f"[{i}/{len(plan)}] {folder.name}: running")
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        result = run_experiment(cfg, checkpoint_dir=folder / "checkpoint")
-        result.write(folder)
-        shutil.rmtree(folder / "checkpoint", ignore_errors=True)
-        say(f"[{i}/{len(plan)}] {folder.name}: TPR {result.report.tpr}, FPR {result.report.fpr}")
+        else:
+            tpr, fpr = result.report.tpr, result.report.fpr
+            say(f"[{i}/{len(plan)}] {folder.name}: TPR {tpr}, FPR {fpr}")
     summary = summarize(out, spec)
     write_tables(summary, out)
     return summary

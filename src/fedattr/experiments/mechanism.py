@@ -111,13 +111,13 @@ def plot_mechanism(est: dict, out: str | Path) -> list[Path]:
     # (a) direct vs differential at the last round
     fig, ax = plt.subplots(figsize=(7, 3.6))
     diff = [_series(est, c).get(last, math.nan) for c in clients]
+    per = (est["direct"] or {}).get("z", {})
     direct = []
     for c in clients:
-        per = (est["direct"] or {}).get("z", {})
-        vals = [per[s][c][str(last)] for s in per if c in per[s] and str(last) in per[s][c]]
+        # A watermarked client under its owner's statistic, a benign one under its strongest.
         owner = est["watermarked"].get(c)
-        if owner in per and c in per[owner]:
-            vals = [per[owner][c][str(last)]]
+        stats = [owner] if owner in per else list(per)
+        vals = [per[s][c][str(last)] for s in stats if str(last) in per[s].get(c, {})]
         direct.append(max(vals) if vals else math.nan)
     x = np.arange(len(clients))
     ax.bar(x - 0.2, direct, 0.4, label="direct Score(w + Δ_i)", color="0.6")

@@ -109,11 +109,6 @@ def baseline_markdown(results: list[BaselineResult]) -> str:
     )
 
 
-def fedattr_null(configured: str, scorer) -> str:
-    """The null FedAttr will use with this scorer (``attribution.null``, ``auto`` resolved)."""
-    return resolve_scorer_null(scorer) if configured == "auto" else configured
-
-
 CHECKPOINT = "state.pt"
 
 
@@ -162,6 +157,8 @@ def run_experiment(
     if min(sizes) == 0:
         raise ValueError("data: a client has no usable training example; raise data.records")
     scorer = make_scorer(cfg, model, tokenizer, fed, strategy)
+    fedattr = FedAttr(cfg.attribution)
+    fedattr.scorer_null = resolve_scorer_null(scorer)  # also right when resuming a finished run
     recorder = None
     if cfg.baselines:
         t0 = time.perf_counter()
@@ -171,12 +168,10 @@ def run_experiment(
         recorder = BaselineRecorder(
             scorer, probe, strategy.apply_estimate, strategy.scoring_params(state),
             gamma=cfg.attribution.gamma, seed=cfg.fl.seed,
-            null=fedattr_null(cfg.attribution.null, scorer),
+            null=fedattr.null,
         )  # fmt: skip
         timing["baselines_s"] = time.perf_counter() - t0
     sa = make_aggregator(cfg.secagg)
-    fedattr = FedAttr(cfg.attribution)
-    fedattr.scorer_null = resolve_scorer_null(scorer)  # also right when resuming a finished run
     rng = np.random.default_rng([cfg.fl.seed, 11])
     per_round = max(1, round(cfg.fl.participation * cfg.fl.K))
     records: list[dict] = []
