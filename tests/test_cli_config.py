@@ -4,7 +4,7 @@ import pytest
 
 from fedattr.cli import main
 from fedattr.config import ConfigError, apply_overrides, load
-from fedattr.experiments.synthetic import DemoConfig
+from fedattr.experiments.config import DemoConfig
 
 
 def test_load_toml_with_overrides(tmp_path):

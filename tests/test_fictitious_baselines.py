@@ -256,7 +256,8 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     direct = d["baselines"][1]
     assert set(direct["z"]["fk:owner0"]) == {"0", "1", "2", "3"}
     assert len(d["baselines"][2]["suspicious"]) == 4  # FLDetector predicted round 3
-    assert "## Baselines" in (result.write(tiny_cache / f"fk-{detector}") / "report.md").read_text()
+    folder = result.write(tiny_cache / f"fk-{detector}")
+    assert "## Baselines" in folder.file("report.md").read_text()
 
 
 def test_experiment_main_and_mechanism_commands(tiny_cache, tmp_path, capsys):

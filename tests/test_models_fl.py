@@ -3,7 +3,14 @@ import pytest
 import torch
 
 from conftest import MICRO_TINY
-from fedattr.fl import FedIT, FLoRA, sa_scales, weighted_mean
+from fedattr.fl import (
+    FedITClient,
+    FedITServer,
+    FLoRAClient,
+    FLoRAServer,
+    sa_scales,
+    weighted_mean,
+)
 from fedattr.models.config import LoRAConfig, ModelConfig, TinyModelConfig
 from fedattr.models.loading import ModelLoadError, load_model
 from fedattr.models.lora import adapter_state, attach_lora, base_state, load_state
@@ -54,15 +61,15 @@ def _sa_mean(updates, sizes):
 def test_fedit_aggregation_equals_weighted_mean_of_factors(tiny_cache):
     model, _ = _model(tiny_cache)
     model = attach_lora(model, LoRAConfig(r=4, alpha=8))
-    strat = FedIT()
-    state = strat.initial_state(model)
+    server, client = FedITServer(), FedITClient()
+    state = server.initial_state(model)
     sizes, trained, updates = [10, 30, 60], [], []
     for c in range(3):
-        strat.client_start(model, state, 1, c)
+        client.start(model, state, 1, c)
         _fake_training(model, c)
         trained.append(adapter_state(model))
-        updates.append(strat.client_update(model, state))
-    new = strat.apply_aggregate(state, _sa_mean(updates, sizes))
+        updates.append(client.update(model, state))
+    new = server.aggregate(state, _sa_mean(updates, sizes))
     expected = weighted_mean(trained, sizes)  # FedIT: A = sum p_i A_i, B = sum p_i B_i
     for k in expected:
         assert torch.allclose(new[k].double(), expected[k], atol=1e-6)
@@ -72,18 +79,18 @@ def test_flora_aggregation_equals_stacked_product(tiny_cache):
     model, _ = _model(tiny_cache)
     cfg = LoRAConfig(r=4, alpha=8)
     model = attach_lora(model, cfg)
-    strat = FLoRA(scaling=cfg.scaling, seed=0)
-    state = strat.initial_state(model)
+    server, client = FLoRAServer(), FLoRAClient(scaling=cfg.scaling, seed=0)
+    state = server.initial_state(model)
     base = base_state(model)
     sizes, adapters, updates = [20, 20, 60], [], []
     for c in range(3):
-        strat.client_start(model, state, 1, c)
+        client.start(model, state, 1, c)
         a0 = adapter_state(model)
         assert all(torch.count_nonzero(v) == 0 for k, v in a0.items() if k.endswith("lora_B"))
         _fake_training(model, 10 + c)
         adapters.append(adapter_state(model))
-        updates.append(strat.client_update(model, state))
-    new = strat.apply_aggregate(state, _sa_mean(updates, sizes))
+        updates.append(client.update(model, state))
+    new = server.aggregate(state, _sa_mean(updates, sizes))
     p = np.array(sizes) / sum(sizes)
     for key in base:
         module = key[: -len(".weight")]
@@ -93,5 +100,5 @@ def test_flora_aggregation_equals_stacked_product(tiny_cache):
         expected = base[key].double() + cfg.scaling * (B @ A)
         assert torch.allclose(new[key].double(), expected, atol=1e-5)
     # Scoring parameters silence the adapters (B = 0) so only the merged base counts.
-    params = strat.scoring_params(new)
+    params = server.scoring_params(new)
     assert all(torch.count_nonzero(v) == 0 for k, v in params.items() if k.endswith("lora_B"))

@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from fedattr.attribution import AttributionConfig, DesignError, FedAttr, LinearScorer
-from fedattr.experiments.synthetic import DemoConfig, SyntheticConfig, run_demo
+from fedattr.experiments.config import DemoConfig
+from fedattr.experiments.run import run_demo
+from fedattr.fl.synthetic import SyntheticConfig
 from fedattr.secagg import SecAggConfig, make_aggregator
 
 QUIET = {"progress": lambda _m: None}
@@ -55,19 +57,21 @@ def test_reference_scored_once_per_round_and_partial_participation():
 
     fed = FedAttr(AttributionConfig(N=2, M=3))
     sa = make_aggregator(SecAggConfig(min_members=2))
+    records = []
     for t, participants in ((1, [0, 1, 2, 3, 4]), (2, [1, 2, 3, 4, 5])):
         sa.open_round(t, participants)
         for j in participants:
             sa.submit(j, torch.full((8,), float(j)))
         n_before = len(calls)
-        fed.attribute_round(t, sa, torch.zeros(8), scorer)
+        record = fed.attribute_round(t, sa, torch.zeros(8), scorer)
         assert len(calls) - n_before == 1 + len(participants)
+        records.append(record)
         sa.close_round()
     rep = fed.report()
     by = {c.id: c for c in rep.clients}
     assert set(by[0].z) == {1} and set(by[5].z) == {2} and set(by[3].z) == {1, 2}
     # Linear scorer, unbiased estimate: z concentrates around the client's own coordinate.
-    assert fed.rounds[0].targets[0].queries == 6
+    assert records[0].targets[0].queries == 6
 
 
 def test_round_too_small_for_the_design_is_a_clear_error():

@@ -6,18 +6,24 @@ import numpy as np
 import pytest
 import torch
 
-from fedattr.attribution import AttributionConfig, draw_design, estimate_update
-from fedattr.attribution.audit import audit_queries, audit_run
-from fedattr.attribution.estimator import estimate_update_fused
+from fedattr.attribution import (
+    AttributionConfig,
+    draw_design,
+    estimate_update,
+    single_estimate_budget,
+)
+from fedattr.attribution.audit import audit_queries
 from fedattr.cli import main
-from fedattr.experiments.synthetic import DemoConfig, SyntheticConfig, run_demo
+from fedattr.experiments.config import DemoConfig
+from fedattr.experiments.run import run_demo
+from fedattr.fl.synthetic import SyntheticConfig
+from fedattr.reporting.run_folder import audit_run
 from fedattr.secagg import (
     BACKENDS,
     QueryRefused,
     ReleasePolicy,
     SecAggConfig,
     make_aggregator,
-    single_estimate_budget,
 )
 
 K, N, M = 10, 5, 5
@@ -48,7 +54,7 @@ def test_single_estimate_leakage_is_the_paper_gaussian_term():
 def test_fused_query_gives_the_subset_sum_estimate(backend):
     sa, ups = _sa(backend)
     d = draw_design(range(K), 2, N, M, np.random.default_rng(4), min_members=N)
-    fused = estimate_update_fused(sa, d)
+    fused = estimate_update(sa, d, fused=True)
     assert sa.log[-1].subset == tuple(j for j, c in d.integer_coefficients().items() if c)
     assert sa.log[-1].denominator == M
     assert np.allclose(fused, estimate_update(sa, d), atol=1e-9)
@@ -92,7 +98,7 @@ def test_budgeted_policy_admits_one_estimate_but_not_all():
     for i in range(K):
         d = draw_design(range(K), i, N, M, np.random.default_rng([1, i]), min_members=N)
         try:
-            estimate_update_fused(sa, d)
+            estimate_update(sa, d, fused=True)
             admitted += 1
         except QueryRefused as exc:
             assert "release policy" in str(exc)

@@ -49,6 +49,6 @@ def _query_log(run_dir):
 
 def test_resume_refuses_what_it_cannot_do(tiny_cache, tmp_path, capsys):
     assert main(["run", "--resume", str(tmp_path)]) == 2
-    assert "holds no checkpoint" in capsys.readouterr().err
+    assert "holds no fedattr run to resume" in capsys.readouterr().err
     assert main(["run", "--resume", str(tmp_path), "--set", "fl.K=5"]) == 2
     assert "drop --config/--set/--out" in capsys.readouterr().err

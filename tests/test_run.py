@@ -68,8 +68,25 @@ def test_short_run_hardened_stays_within_the_release_budget(tiny_cache):
 
 
 def test_hub_dataset_ids_are_not_mistaken_for_missing_files(tmp_path):
-    from fedattr.experiments.config import DataConfig
+    from fedattr.data.config import DataConfig
 
     assert DataConfig(path="tatsu-lab/alpaca").path == "tatsu-lab/alpaca"
     with pytest.raises(ValueError, match="does not exist"):
         DataConfig(path=str(tmp_path / "missing.jsonl"))
+
+
+def test_attribution_variants_share_one_training_run(tiny_cache):
+    sets = _small(tiny_cache, 'variants=[{"name": "M3", "M": 3}]')
+    cfg = load(RunConfig, None, sets)
+    result = run_experiment(cfg, progress=lambda _m: None)
+    alone = run_experiment(load(RunConfig, None, _small(tiny_cache, "attribution.M=3")),
+                           progress=lambda _m: None)  # fmt: skip
+    v = result.variants["M3"]
+    assert v["differs"] == {"M": 3}
+    # The variant's scores are those of a separate run at M=3: same training, own queries.
+    assert [c["Z"] for c in v["clients"]] == [c.Z for c in alone.report.clients]
+    sessions = {q["session"] for q in result.queries}
+    assert sessions == {"", "fedattr", "M3"}
+    assert v["sa_queries"] == alone.sa_queries == 2 * (2 * 3 * 4 + 1)
+    with pytest.raises(ValueError, match=r"variants\[0\]\.mode"):
+        load(RunConfig, None, _small(tiny_cache, 'variants=[{"mode": "hardened"}]'))

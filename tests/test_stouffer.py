@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from fedattr.attribution import build_report, stouffer, upper_tail
+from fedattr.reporting.markdown import attribution_table
 
 
 def test_stouffer_formula():
@@ -29,7 +30,7 @@ def test_report_flags_rates_and_partial_participation():
     assert r.tpr == 0.5 and r.fpr == 0.5 and r.flagged == [0, 2]
     d = r.to_dict()
     assert d["clients"][0]["z"] == {"1": 5.0, "2": 5.0}
-    md = r.to_markdown()
+    md = attribution_table(r)
     assert "| 0 | yes |" in md and "TPR = 50.0%" in md
     assert build_report({0: {1: 1.0}}, 4.0).tpr is None
 

@@ -8,24 +8,32 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from .errors import UserError
+from .runtime import set_threads
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .config import load
-    from .experiments.synthetic import DemoConfig, run_demo
+    from .config import load, to_dict
+    from .experiments.config import DemoConfig
+    from .experiments.run import run_demo
+    from .reporting.run_folder import RunFolder
 
     cfg = load(DemoConfig, args.config, args.set)
-    result = run_demo(cfg, progress=None if not args.quiet else (lambda _m: None))
+    folder = None
     if args.out:
-        out = result.write(args.out)
-        print(
-            f"wrote {out}/: results.json report.md attribution.png rounds.jsonl config.json",
-            file=sys.stderr,
-        )
+        folder = RunFolder(args.out)
+        folder.claim(to_dict(cfg))  # before any work: a bad --out costs nothing
+    result = run_demo(cfg, progress=None if not args.quiet else (lambda _m: None))
+    if folder is not None:
+        result.write(folder)
+        print(f"wrote {folder}/: results.json report.md attribution.png rounds.jsonl "
+              "queries.jsonl config.json", file=sys.stderr)  # fmt: skip
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(result.report.to_markdown())
+        from .reporting.markdown import attribution_table
+
+        print(attribution_table(result.report))
         t = result.timing
         print(
             f"\nSA backend {cfg.secagg.backend}: {result.sa_queries} SA queries; "
@@ -35,41 +43,37 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import shutil
-    from pathlib import Path
-
     from .config import from_dict, load, to_dict
     from .experiments.config import PRESET_OVERRIDES, RunConfig
     from .experiments.run import run_experiment
+    from .reporting.markdown import attribution_table
+    from .reporting.run_folder import RunFolder
 
     if args.resume:
         # The run folder's resolved config is the configuration: nothing may change on resume.
         if args.config or args.set or args.out:
-            raise ValueError(
+            raise UserError(
                 "--resume: takes the run folder's own config.json; drop --config/--set/--out"
             )
-        out = Path(args.resume)
-        if not (out / "checkpoint" / "state.pt").is_file():
-            raise ValueError(f"--resume: {str(out)!r} holds no checkpoint to resume from")
-        cfg = from_dict(RunConfig, json.loads((out / "config.json").read_text()))
+        folder = RunFolder(args.resume, "--resume")
+        cfg = from_dict(RunConfig, folder.resumable_config())
     else:
         if args.preset not in PRESET_OVERRIDES:
-            raise ValueError(
+            raise UserError(
                 f"--preset: unknown preset {args.preset!r}; allowed: {', '.join(PRESET_OVERRIDES)}"
             )
         cfg = load(RunConfig, args.config, PRESET_OVERRIDES[args.preset] + args.set)
-        out = Path(args.out or _default_run_dir(cfg))
-        if (out / "checkpoint" / "state.pt").is_file():
-            raise ValueError(
-                f"--out: {str(out)!r} holds an unfinished run; continue it with "
-                f"'fedattr run --resume {out}' or choose another folder"
-            )
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    result = run_experiment(cfg, checkpoint_dir=out / "checkpoint")
-    result.write(out)
-    shutil.rmtree(out / "checkpoint", ignore_errors=True)  # finished: results supersede it
-    print(result.report.to_markdown())
+        folder = RunFolder(args.out or _default_run_dir(cfg))
+        folder.claim(to_dict(cfg))
+    try:
+        result = run_experiment(cfg, folder=folder)
+    except KeyboardInterrupt:
+        print(f"fedattr: interrupted; finished rounds are kept: continue with "
+              f"'fedattr run --resume {folder}'", file=sys.stderr)  # fmt: skip
+        return 130
+    result.write(folder)
+    folder.clear_checkpoint()
+    print(attribution_table(result.report))
     t = result.timing
     print(
         f"\n{cfg.fl.strategy} / {cfg.watermark.kind.upper()} / {cfg.model.preset}: "
@@ -77,7 +81,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         f"train {t['train_s']:.1f} s, SA {t['sa_s']:.1f} s, scoring {t['scoring_s']:.1f} s, "
         f"total {t['total_s']:.1f} s (FedAttr overhead {100 * t['overhead']:.0f}% of training)"
     )
-    print(f"run folder: {out}")
+    for name, v in result.variants.items():
+        print(f"variant {name} ({v['differs']}): flagged {v['flagged']}, "
+              f"TPR {v['tpr']}, FPR {v['fpr']}, {v['sa_queries']} SA queries")  # fmt: skip
+    print(f"run folder: {folder}")
     return 0
 
 
@@ -85,7 +92,7 @@ def _parse_seeds(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--seeds: comma-separated integers, e.g. 1,2,3; got {text!r}") from None
+        raise UserError(f"--seeds: comma-separated integers, e.g. 1,2,3; got {text!r}") from None
 
 
 def _cmd_experiment_main(args: argparse.Namespace) -> int:
@@ -93,7 +100,12 @@ def _cmd_experiment_main(args: argparse.Namespace) -> int:
 
     spec = MainSpec(args.preset, _parse_seeds(args.seeds), args.config, args.set)
     out = args.out or f"runs/main-{args.preset}"
-    run_main(spec, out, progress=lambda m: print(m, file=sys.stderr))
+    try:
+        run_main(spec, out, progress=lambda m: print(m, file=sys.stderr))
+    except KeyboardInterrupt:
+        print("fedattr: interrupted; finished runs are kept: re-run the same command to "
+              "continue", file=sys.stderr)  # fmt: skip
+        return 130
     from pathlib import Path
 
     print(Path(out, "table.md").read_text())
@@ -108,7 +120,7 @@ def _cmd_experiment_mechanism(args: argparse.Namespace) -> int:
     from .experiments.mechanism import write_mechanism
 
     if args.watermark not in ("kgw", "fk"):
-        raise ValueError(f"--watermark: must be kgw or fk, got {args.watermark!r}")
+        raise UserError(f"--watermark: must be kgw or fk, got {args.watermark!r}")
     spec = MainSpec(args.preset, [args.seed], args.config, [f"fl.rounds={args.rounds}", *args.set])
     cfg = spec.run_config(args.strategy, args.watermark, args.seed)
     out = Path(args.out or f"runs/mechanism-{args.preset}-{args.strategy}-{args.watermark}")
@@ -164,13 +176,14 @@ def _cmd_privacy(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from .attribution.audit import audit_run, format_audit
+    from .reporting.markdown import audit_table
+    from .reporting.run_folder import audit_run
 
     rounds = audit_run(args.run_dir)
     if args.json:
         print(json.dumps([r.to_dict() for r in rounds], indent=2))
         return 0
-    print(format_audit(rounds))
+    print(audit_table(rounds))
     exposed = sum(len(r.recoverable) for r in rounds)
     print(
         f"\n{exposed} client-rounds exactly recoverable from the answered queries"
@@ -319,13 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parse, run, and turn expected errors into one clear line (exit code 2)."""
+    """Entry point: parse, run, and turn bad input (:class:`UserError`) into one clear line
+    (exit code 2). Anything else is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command in ("run", "experiment", "demo-protocol", "bench"):
+            set_threads()
         return args.func(args)
-    except (ValueError, KeyError, TypeError, FileNotFoundError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-        print(f"fedattr: error: {msg}", file=sys.stderr)
+    except UserError as exc:
+        print(f"fedattr: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fedattr: interrupted", file=sys.stderr)

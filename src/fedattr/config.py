@@ -15,6 +15,8 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar, Union
 
+from .errors import UserError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -23,7 +25,7 @@ else:  # pragma: no cover
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration file or override that cannot be used."""
 
 

@@ -110,13 +110,25 @@ def add_update(params: Update, delta: Update) -> Update:
     Parameters missing from ``delta`` are kept unchanged, so a LoRA update can be applied to
     a larger parameter dictionary.
     """
+    # The delta is moved to each parameter's device and dtype: SA answers live on the CPU while
+    # the parameters may sit on a GPU (or the meta device in tests).
     if isinstance(params, torch.Tensor) and isinstance(delta, torch.Tensor):
-        return params + delta.to(params.dtype)
+        return params + delta.to(device=params.device, dtype=params.dtype)
     if isinstance(params, Mapping) and isinstance(delta, Mapping):
         missing = sorted(set(delta) - set(params))
         if missing:
             raise KeyError(f"delta names {missing[:3]} are not among the model parameters")
-        return {k: (v + delta[k].to(v.dtype)) if k in delta else v for k, v in params.items()}
+        return {
+            k: (v + delta[k].to(device=v.device, dtype=v.dtype)) if k in delta else v
+            for k, v in params.items()
+        }
     raise TypeError(
         f"cannot add a {type(delta).__name__} update to {type(params).__name__} parameters"
     )
+
+
+def scale_update(update: Update, factor: float) -> Update:
+    """``factor * update`` for a tensor or key-wise for a mapping."""
+    if isinstance(update, Mapping):
+        return {k: v * factor for k, v in update.items()}
+    return update * factor

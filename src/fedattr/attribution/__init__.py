@@ -3,6 +3,7 @@
 Runs on plain tensors: nothing here needs a language model.
 """
 
+from .config import AttributionConfig, harden
 from .design import (
     DesignError,
     DesignStats,
@@ -10,11 +11,12 @@ from .design import (
     acceptance_threshold,
     design_stats,
     draw_design,
+    single_estimate_budget,
     validate_parameters,
 )
-from .estimator import estimate_update, predicted_error_trace
+from .estimator import combine_answers, design_queries, estimate_update, predicted_error_trace
 from .privacy import acceptance_rate, joint_recovery, summarize, theorem4_bound
-from .protocol import AttributionConfig, FedAttr, RoundRecord, TargetRecord
+from .protocol import Estimate, FedAttr, RoundEstimates, RoundRecord, TargetRecord
 from .scoring import DifferentialScorer, LinearScorer, PairedScorer, Scorer
 from .stouffer import AttributionReport, ClientAttribution, build_report, stouffer, upper_tail
 
@@ -25,21 +27,27 @@ __all__ = [
     "DesignError",
     "DesignStats",
     "DifferentialScorer",
+    "Estimate",
     "FedAttr",
     "LinearScorer",
     "PairedScorer",
     "QueryDesign",
+    "RoundEstimates",
     "RoundRecord",
     "Scorer",
     "TargetRecord",
     "acceptance_rate",
     "acceptance_threshold",
     "build_report",
+    "combine_answers",
+    "design_queries",
     "design_stats",
     "draw_design",
     "estimate_update",
+    "harden",
     "joint_recovery",
     "predicted_error_trace",
+    "single_estimate_budget",
     "stouffer",
     "summarize",
     "theorem4_bound",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UserError
 from ..secagg.policy import joint_leakage
 
 
@@ -30,6 +31,8 @@ class RoundAudit:
     clients: list[int]
     leakage: dict[int, float]
     recoverable: list[int] = field(default_factory=list)
+    session: str = ""
+    """The SA session audited (its own answers plus the public ones, e.g. the aggregate)."""
 
     @property
     def max_leakage(self) -> float:
@@ -49,14 +52,18 @@ def audit_queries(
     """Audit query-log records (dicts with ``round``, ``subset`` and ``coefficients``).
 
     ``clients`` lists the round's participants; by default, everyone who appears in a query of
-    that round (a participant never queried leaks nothing).
+    that round (a participant never queried leaks nothing). Queries of a named SA session (one
+    attribution configuration of a run with several) are audited per session, each together
+    with the queries outside any session, which every party sees.
     """
     by_round: dict[int, list[Mapping]] = defaultdict(list)
+    sessions: dict[int, set[str]] = defaultdict(set)
     for q in queries:
         by_round[int(q["round"])].append(q)
+        sessions[int(q["round"])].add(q.get("session", ""))
     out = []
-    for rnd in sorted(by_round):
-        rows_q = by_round[rnd]
+    for rnd, session in sorted((r, s) for r in by_round for s in sessions[r] - {""} or {""}):
+        rows_q = [q for q in by_round[rnd] if q.get("session", "") in ("", session)]
         ids = sorted(
             set(clients) if clients is not None else {int(c) for q in rows_q for c in q["subset"]}
         )
@@ -75,33 +82,58 @@ def audit_queries(
                 clients=ids,
                 leakage=leak,
                 recoverable=[c for c, v in leak.items() if math.isinf(v)],
+                session=session,
             )
         )
     return out
 
 
-def audit_run(run_dir: str | Path) -> list[RoundAudit]:
-    """Audit the ``queries.jsonl`` of a run folder."""
-    path = Path(run_dir) / "queries.jsonl"
+def audit_file(path: str | Path) -> list[RoundAudit]:
+    """Audit a query log (``queries.jsonl``); a damaged line is one error naming the line."""
+    path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
+        raise UserError(
             f"RUN_DIR: {str(path)!r} not found; audit a folder written by "
             "'fedattr run --out' or 'fedattr demo-protocol --out'"
         )
-    with open(path) as fh:
-        return audit_queries(json.loads(line) for line in fh if line.strip())
+    with open(path, "rb") as fh:
+        records = [
+            _query_record(path, lineno, line)
+            for lineno, line in enumerate(fh, start=1)
+            if line.strip()
+        ]
+    return audit_queries(records)
 
 
-def format_audit(rounds: list[RoundAudit], budget: float | None = None) -> str:
-    """Markdown table: one row per round."""
-    lines = [
-        "| round | queries | rank | clients | exactly recoverable | max L_j (nats/dim) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rounds:
-        rec = ", ".join(map(str, r.recoverable)) or "none"
-        m = "∞" if math.isinf(r.max_leakage) else f"{r.max_leakage:.4f}"
-        lines.append(f"| {r.round} | {r.queries} | {r.rank} | {len(r.clients)} | {rec} | {m} |")
-    if budget is not None:
-        lines.append(f"\nbudget (paper's single-estimate bound): {budget:.4f} nats per dimension")
-    return "\n".join(lines)
+def _query_record(path: Path, lineno: int, line: bytes) -> dict:
+    """Parse line ``lineno`` (1-based) of ``queries.jsonl``.
+
+    Raises a ``ValueError`` naming the file and the line when it is not a query record: not
+    UTF-8 JSON, not an object, lacking ``round``/``subset``, or with mistyped fields.
+    """
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        problem = f"not UTF-8 text: byte {exc.start + 1} is {line[exc.start : exc.start + 1]!r}"
+    except json.JSONDecodeError as exc:
+        problem = f"{exc.msg} at column {exc.colno}"
+    else:
+        if not isinstance(record, dict):
+            problem = f"a JSON {type(record).__name__}, not an object"
+        elif missing := [k for k in ("round", "subset") if k not in record]:
+            problem = "missing key(s) " + ", ".join(repr(k) for k in missing)
+        elif isinstance(record["round"], bool) or not isinstance(record["round"], int):
+            problem = f"'round' is {record['round']!r}, not an integer"
+        elif not isinstance(record["subset"], list):
+            problem = f"'subset' is {record['subset']!r}, not a list of client ids"
+        elif record.get("coefficients") and (
+            not isinstance(record["coefficients"], list)
+            or len(record["coefficients"]) != len(record["subset"])
+        ):
+            problem = "'coefficients' does not match 'subset' (one integer per member)"
+        else:
+            return record
+    raise UserError(
+        f"RUN_DIR: {str(path)!r} line {lineno} is not a query record ({problem}); "
+        "the file is corrupt — re-run or restore it"
+    )

@@ -19,13 +19,16 @@ estimator stays unbiased.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import UserError
 
-class DesignError(ValueError):
+
+class DesignError(UserError):
     """Protocol parameters for which no valid FedAttr design exists."""
 
 
@@ -51,9 +54,17 @@ def validate_parameters(K: int, N: int, M: int, min_members: int = 1) -> None:
 
 
 def acceptance_threshold(K: int, N: int, M: int) -> float:
-    """``aN`` with ``a = (1 - rho) / M`` and ``rho = N / (K - 1)``."""
+    """``aN`` with ``a = (1 - rho) / M`` and ``rho = N / (K - 1)`` (the one place it is
+    computed: the design rule, the privacy summary and the release budget all use it)."""
     rho = N / (K - 1)
     return (1.0 - rho) / M * N
+
+
+def single_estimate_budget(K: int, N: int, M: int) -> float:
+    """The paper's per-estimate leakage bound, Gaussian term: ``1/2 log(1 + 1/(aN))`` nats per
+    dimension; every accepted single estimate stays within it (hardened mode's default
+    ``secagg.release_budget``)."""
+    return 0.5 * math.log1p(1.0 / acceptance_threshold(K, N, M))
 
 
 @dataclass(frozen=True)

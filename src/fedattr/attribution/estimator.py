@@ -2,36 +2,52 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from ..secagg.base import SecureAggregator
+from ..secagg.base import Query, QueryGroup, SecureAggregator
+from ..secagg.errors import QueryFailed, QueryRefused
 from .design import QueryDesign
 
 
-def estimate_update(sa: SecureAggregator, design: QueryDesign) -> np.ndarray:
-    """Flat float64 estimate of the target's update; 2M subset-sum queries to ``sa``.
+def design_queries(design: QueryDesign, fused: bool = False) -> list[Query]:
+    """The SA queries behind one estimate: the ``M`` U-subset sums then the ``M`` V-subset sums,
+    or (``fused``) one combination with the design's integer coefficients over ``M``."""
+    if fused:
+        return [Query(design.integer_coefficients(), design.M)]
+    return [Query.subset(s) for s in (*design.U, *design.V)]
+
+
+def combine_answers(
+    design: QueryDesign, answers: Sequence[np.ndarray], fused: bool = False
+) -> np.ndarray:
+    """``mean_m S(U_m) - mean_m S(V_m)`` from the answers of :func:`design_queries` (a fused
+    answer already is the estimate)."""
+    if fused:
+        return answers[0]
+    M = design.M
+    total = answers[0]
+    for s in answers[1:M]:
+        total = total + s
+    for s in answers[M:]:
+        total -= s
+    return total / M
+
+
+def estimate_update(sa: SecureAggregator, design: QueryDesign, fused: bool = False) -> np.ndarray:
+    """Flat float64 estimate of the target's update from its SA queries (2M subset sums, or one
+    fused query that never releases the subset sums behind it).
 
     Unbiased over accepted designs; the residual ``sum_j alpha_j Delta_j`` has trace covariance
     ``E[c | accepted] / (K-2) * sum_{j != i} ||Delta_j - mean_{-i}||^2``.
     """
-    total: np.ndarray | None = None
-    for u in design.U:
-        s = sa.subset_sum_flat(u)
-        total = s if total is None else total + s
-    for v in design.V:
-        total -= sa.subset_sum_flat(v)
-    assert total is not None
-    return total / design.M
-
-
-def estimate_update_fused(sa: SecureAggregator, design: QueryDesign) -> np.ndarray:
-    """The same estimate as :func:`estimate_update` from ONE fused SA query.
-
-    Clients scale their ring encodings by ``M * coef_j`` (integers) and the SA session returns
-    ``sum_j coef_j Delta_j`` directly, so the server never holds the 2M subset sums behind it.
-    In the ring this is the very same integer as the subset-sum path's total.
-    """
-    return sa.combination_flat(design.integer_coefficients(), denominator=design.M)
+    (answer,) = sa.run_queries([QueryGroup([design_queries(design, fused)])])
+    if answer.results is None:
+        if answer.missing:
+            raise QueryFailed(answer.error, answer.missing)
+        raise QueryRefused(answer.error)
+    return combine_answers(design, answer.results, fused)
 
 
 def predicted_error_trace(

@@ -1,78 +1,30 @@
-"""FedAttr round by round: design, estimate through SA, differential score, Stouffer."""
+"""FedAttr round by round, in two phases: every SA query of the round, then every score.
+
+Phase 1 (:meth:`FedAttr.query_round`) draws each target's design and asks secure aggregation
+for its sums in one batch (``run_queries``: a remote runtime sends each client one message per
+round); designs, the release policy and dropouts never depend on scores. Phase 2
+(:meth:`FedAttr.score_round`) scores all estimates against the round's reference (a scorer with
+``observe_many`` sees them in one batched pass). Stouffer then combines rounds per client.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..secagg.base import SecureAggregator
-from ..secagg.errors import QueryFailed, QueryRefused
-from ..updates import add_update
-from .design import DesignError, draw_design, validate_parameters
-from .estimator import estimate_update, estimate_update_fused
+from ..errors import UserError
+from ..secagg.base import QueryGroup, SecureAggregator
+from ..secagg.errors import QueryRefused
+from ..updates import UpdateLayout, add_update, scale_update
+from .config import AttributionConfig
+from .design import DesignError, QueryDesign, draw_design, validate_parameters
+from .estimator import combine_answers, design_queries
 from .scoring import DEFAULT_STATISTIC, ApplyUpdate, DifferentialScorer, PairedScorer, Scorer
 from .stouffer import AttributionReport, build_report, combine_reports, empirical_null
-
-
-@dataclass
-class AttributionConfig:
-    """FedAttr protocol parameters (paper defaults)."""
-
-    N: int = 5
-    """Size of the V-subsets (U-subsets have N+1 members)."""
-    M: int = 5
-    """Query pairs per target and round."""
-    gamma: float = 4.0
-    """Flag a client when its Stouffer Z exceeds gamma."""
-    max_redraws: int = 10_000
-    """Give up on a target after this many rejected designs in a row."""
-    seed: int = 0
-    """Seed of the design draws (each round and target gets its own stream)."""
-    mode: str = "paper"
-    """``paper``: 2M subset-sum queries per target, every target every round (as published).
-    ``hardened``: one fused query per target, and only targets the SA release policy admits
-    (rotating, seeded order); Stouffer runs over each client's targeted rounds."""
-    policy_attempts: int = 20
-    """Designs tried per target (after release-policy refusals or failed queries) before the
-    target is skipped for the round."""
-    center: bool = False
-    """``False`` (the paper): score ``w^{t-1} + Delta_hat_i`` against ``w^{t-1}``. ``True``:
-    score ``w^{t-1} + Delta_bar + (Delta_hat_i - Delta_bar)`` against ``w^{t-1} + Delta_bar``
-    (``Delta_bar`` = the round's SA mean, passed as ``center``), so that the round's common
-    learning direction is in both models and only the client's deviation from it is tested."""
-    null: str = "auto"
-    """``theoretical`` (the paper): each differential score is taken as N(0, 1) under the null.
-    ``empirical``: each round's scores per statistic are standardised by their median and MAD
-    over the round's targets before Stouffer (see ``stouffer.empirical_null``). ``auto``:
-    empirical for a scorer whose statistic has no null scale of its own (it says so with
-    ``null = "empirical"``, e.g. the FK margin), theoretical otherwise."""
-
-    def __post_init__(self) -> None:
-        if self.null not in ("auto", "theoretical", "empirical"):
-            raise DesignError(
-                f"attribution.null: must be auto, theoretical or empirical, got {self.null!r}"
-            )
-        if self.mode not in ("paper", "hardened"):
-            raise DesignError(f"attribution.mode: must be paper or hardened, got {self.mode!r}")
-        if not isinstance(self.policy_attempts, int) or self.policy_attempts < 1:
-            raise DesignError(
-                "attribution.policy_attempts: must be an integer >= 1, "
-                f"got {self.policy_attempts!r}"
-            )
-        if not isinstance(self.M, int) or self.M < 1:
-            raise DesignError(f"attribution.M: must be an integer >= 1, got {self.M!r}")
-        if not isinstance(self.N, int) or self.N < 1:
-            raise DesignError(f"attribution.N: must be an integer >= 1, got {self.N!r}")
-        if not np.isfinite(self.gamma):
-            raise DesignError(f"attribution.gamma: must be a finite number, got {self.gamma!r}")
-        if not isinstance(self.max_redraws, int) or self.max_redraws < 0:
-            raise DesignError(
-                f"attribution.max_redraws: must be an integer >= 0, got {self.max_redraws!r}"
-            )
 
 
 @dataclass
@@ -113,6 +65,38 @@ class RoundRecord:
         return asdict(self)
 
 
+@dataclass
+class Estimate:
+    """One target's estimate from phase 1 (flat, in the SA layout)."""
+
+    target: int
+    flat: np.ndarray
+    design: QueryDesign
+    attempts: int
+    sa_seconds: float
+
+
+@dataclass
+class RoundEstimates:
+    """Phase 1 of a round: every estimate, who was skipped, who failed to answer."""
+
+    round: int
+    participants: list[int]
+    layout: UpdateLayout
+    estimates: list[Estimate] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    dropouts: list[int] = field(default_factory=list)
+    batches: int = 0
+    """``run_queries`` calls (1 unless queries failed and targets were redrawn)."""
+
+
+@dataclass
+class _Target:
+    rng: np.random.Generator
+    missing: set[int]
+    attempts: int = 0
+
+
 def resolve_scorer_null(scorer: Any) -> str:
     """``empirical`` when the scorer's statistic has no null scale of its own, else
     ``theoretical``."""
@@ -126,7 +110,6 @@ class FedAttr:
         self.config = config or AttributionConfig()
         # statistic -> client -> round -> differential score
         self.scores: dict[str, dict[int, dict[int, float]]] = {}
-        self.rounds: list[RoundRecord] = []
         self.scorer_null = "theoretical"
         """What the last scorer said about its null (``null`` attribute; see ``null``)."""
 
@@ -142,107 +125,173 @@ class FedAttr:
         reference: Any,
         scorer: Scorer | PairedScorer,
         *,
-        targets: Iterable[int] | None = None,
         apply: ApplyUpdate | None = None,
         on_target: Any = None,
         center: Any = None,
     ) -> RoundRecord:
-        """Attribute every target of the open SA round against ``reference`` = w^{t-1}.
+        """Both phases for the open SA round against ``reference`` = w^{t-1}: see
+        :meth:`query_round` and :meth:`score_round`."""
+        estimates = self.query_round(round_id, sa)
+        return self.score_round(
+            estimates, reference, scorer, apply=apply, on_target=on_target, center=center
+        )
 
-        ``sa`` must hold this round's submitted updates; only its subset-sum interface is used.
-        ``on_target(record)`` is called after each target (progress reporting).
+    def query_round(self, round_id: int, sa: SecureAggregator) -> RoundEstimates:
+        """Phase 1: every target's estimate from the open SA round, through SA queries only.
+
+        Each target's design is drawn from its own seeded stream; all designs go to SA in one
+        ``run_queries`` batch. In hardened mode a target's group carries up to
+        ``policy_attempts`` alternative designs, of which the party that unmasks answers the
+        first its release policy admits. Targets whose queries failed (members that did not
+        answer) are redrawn without those members in a further batch.
         """
         cfg = self.config
-        participants: Sequence[int] = sa.clients
+        participants = list(sa.clients)
         validate_parameters(len(participants), cfg.N, cfg.M, sa.min_members)
+        hardened = cfg.mode == "hardened"
+        if hardened and sa.release_budget is None:
+            raise UserError(
+                "attribution.mode=hardened: the secure aggregation has no release policy "
+                "(secagg.release_budget = 0), so nothing would bound what the queries reveal; "
+                "set secagg.release_budget > 0 (fedattr.attribution.harden() gives the paper's "
+                "single-estimate bound)"
+            )
+        order = list(participants)
+        if hardened:
+            # Rotate who goes first, so that over rounds every client gets admitted.
+            shift = int(np.random.default_rng([cfg.seed, round_id, 1]).integers(len(order)))
+            order = order[shift:] + order[:shift]
+        out = RoundEstimates(round_id, participants, sa.layout)
+        # Offline clients are left out of every design; a client that failed to answer is left
+        # out of that target's redraws (failures may be transient).
+        targets = {
+            t: _Target(np.random.default_rng([cfg.seed, round_id, t]), set(sa.offline))
+            for t in order
+        }
+        done: dict[int, Estimate] = {}
+        skipped: set[int] = set()
+        seen_missing: set[int] = set()
+        pending = order
+        while pending:
+            plans: list[tuple[int, list[QueryDesign]]] = []
+            for target in pending:
+                st = targets[target]
+                available = [p for p in participants if p not in st.missing]
+                if target in st.missing or st.attempts >= cfg.policy_attempts:
+                    skipped.add(target)
+                    continue
+                try:
+                    validate_parameters(len(available), cfg.N, cfg.M, sa.min_members)
+                except DesignError:
+                    skipped.add(target)  # too few clients answer for a valid design this round
+                    continue
+                n = cfg.policy_attempts - st.attempts if hardened else 1
+                designs = [
+                    draw_design(
+                        available,
+                        target,
+                        cfg.N,
+                        cfg.M,
+                        st.rng,
+                        min_members=sa.min_members,
+                        max_redraws=cfg.max_redraws,
+                    )
+                    for _ in range(n)
+                ]
+                plans.append((target, designs))
+            if not plans:
+                break
+            groups = [QueryGroup([design_queries(d, hardened) for d in ds]) for _, ds in plans]
+            answers = sa.run_queries(groups)
+            out.batches += 1
+            pending = []
+            for (target, designs), answer in zip(plans, answers, strict=True):
+                st = targets[target]
+                if answer.results is not None:
+                    st.attempts += answer.chosen + 1
+                    design = designs[answer.chosen]
+                    flat = combine_answers(design, answer.results, hardened)
+                    done[target] = Estimate(target, flat, design, st.attempts, answer.seconds)
+                elif answer.missing:
+                    # Nothing was released; redraw without the clients that did not answer.
+                    st.attempts += answer.refusals + 1
+                    st.missing.update(answer.missing)
+                    seen_missing.update(answer.missing)
+                    pending.append(target)
+                elif not hardened:
+                    raise QueryRefused(answer.error)
+                else:
+                    skipped.add(target)  # the release policy refused every alternative
+        out.estimates = [done[t] for t in order if t in done]
+        out.skipped = [t for t in order if t in skipped]
+        out.dropouts = sorted(seen_missing | set(sa.offline))
+        return out
+
+    def score_round(
+        self,
+        estimates: RoundEstimates,
+        reference: Any,
+        scorer: Scorer | PairedScorer,
+        *,
+        apply: ApplyUpdate | None = None,
+        on_target: Any = None,
+        center: Any = None,
+    ) -> RoundRecord:
+        """Phase 2: the differential score of every estimate against ``reference`` = w^{t-1}.
+
+        With ``attribution.center``, ``center`` is the round's SA mean: both models then carry
+        it and only each client's deviation from it is tested. ``on_target(record)`` is called
+        after each target (progress reporting).
+        """
+        cfg = self.config
         self.scorer_null = resolve_scorer_null(scorer)
         apply = apply or add_update
+        updates = [estimates.layout.unflatten(e.flat) for e in estimates.estimates]
         if cfg.center:
             if center is None:
                 raise ValueError("attribution.center: needs the round's SA mean (center=...)")
             reference = apply(reference, center)
-            minus_center = (
-                {k: -v for k, v in center.items()} if isinstance(center, Mapping) else -center
-            )
+            minus_center = scale_update(center, -1.0)
+            updates = [add_update(u, minus_center) for u in updates]
+        t0 = time.perf_counter()
         differential = DifferentialScorer(scorer, reference, apply)
-        record = RoundRecord(round_id, list(participants), differential.reference_score)
-        hardened = cfg.mode == "hardened"
-        order = list(participants if targets is None else targets)
-        if hardened and targets is None:
-            # Rotate who goes first, so that over rounds every client gets admitted.
-            shift = int(np.random.default_rng([cfg.seed, round_id, 1]).integers(len(order)))
-            order = order[shift:] + order[:shift]
-        seen_missing: set[int] = set()
-        for target in order:
-            rng = np.random.default_rng([cfg.seed, round_id, target])
-            t0 = time.perf_counter()
-            flat, design, attempts, refusals = None, None, 0, 0
-            # Offline clients are left out of every design; a client that failed to answer is
-            # left out of this target's redraws (failures may be transient).
-            missing = set(sa.offline)
-            while flat is None and target not in missing and attempts < cfg.policy_attempts:
-                available = [p for p in participants if p not in missing]
-                try:
-                    validate_parameters(len(available), cfg.N, cfg.M, sa.min_members)
-                except DesignError:
-                    break  # too few clients answer for a valid design this round
-                attempts += 1
-                design = draw_design(
-                    available,
-                    target,
-                    cfg.N,
-                    cfg.M,
-                    rng,
-                    min_members=sa.min_members,
-                    max_redraws=cfg.max_redraws,
-                )
-                try:
-                    if hardened:
-                        flat = estimate_update_fused(sa, design)
-                    else:
-                        flat = estimate_update(sa, design)
-                except QueryFailed as exc:
-                    # Nothing was released; redraw without the clients that did not answer.
-                    missing.update(exc.missing)
-                    seen_missing.update(exc.missing)
-                except QueryRefused:
-                    if not hardened:
-                        raise
-                    refusals += 1  # the release policy said no: try another design
-                    if refusals >= cfg.policy_attempts:
-                        break
-            if flat is None:
-                record.skipped.append(target)
-                continue
-            estimate = sa.layout.unflatten(flat)
-            if cfg.center:
-                estimate = add_update(estimate, minus_center)
+        record = RoundRecord(
+            estimates.round,
+            list(estimates.participants),
+            differential.reference_score,
+            skipped=list(estimates.skipped),
+            dropouts=list(estimates.dropouts),
+        )
+        batched = differential.paired and callable(getattr(scorer, "observe_many", None))
+        if batched:
+            scored = differential.score_many(updates)
+            each = (time.perf_counter() - t0) / max(1, len(updates))
+        for k, (est, update) in enumerate(zip(estimates.estimates, updates, strict=True)):
             t1 = time.perf_counter()
-            z = differential(estimate)
-            t2 = time.perf_counter()
+            z = scored[k] if batched else differential(update)
+            seconds = each if batched else time.perf_counter() - t1
             for stat, value in z.items():
-                self.scores.setdefault(stat, {}).setdefault(target, {})[round_id] = value
+                self.scores.setdefault(stat, {}).setdefault(est.target, {})[estimates.round] = value
+            design = est.design
             target_record = TargetRecord(
-                round=round_id,
-                target=target,
+                round=estimates.round,
+                target=est.target,
                 z=z,
                 c=design.stats.c,
                 m_eff=design.stats.m_eff,
                 threshold=design.stats.threshold,
                 redraws=design.redraws,
-                queries=design.queries,
+                queries=1 if self.config.mode == "hardened" else design.queries,
                 U=[list(u) for u in design.U],
                 V=[list(v) for v in design.V],
-                sa_seconds=t1 - t0,
-                score_seconds=t2 - t1,
-                fused=hardened,
-                attempts=attempts,
+                sa_seconds=est.sa_seconds,
+                score_seconds=seconds,
+                fused=self.config.mode == "hardened",
+                attempts=est.attempts,
             )
             record.targets.append(target_record)
             if on_target is not None:
                 on_target(target_record)
-        record.dropouts = sorted(seen_missing | set(sa.offline))
-        self.rounds.append(record)
         return record
 
     @property

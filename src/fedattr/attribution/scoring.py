@@ -14,7 +14,7 @@ change (e.g. the teacher-forced KGW green-mass contrast) plugs into the same pro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +33,11 @@ class Scorer(Protocol):
 
 
 class PairedScorer(Protocol):
-    """A scorer that tests the change between a reference and a candidate model directly."""
+    """A scorer that tests the change between a reference and a candidate model directly.
+
+    It may also offer ``observe_many(list_of_params)`` (one observation per entry, in order) to
+    evaluate a round's candidates in one batched pass; without it they are observed one by one.
+    """
 
     def observe(self, params: Any) -> Any:
         """What the scorer needs to know of a model (e.g. its next-token distributions)."""
@@ -103,6 +107,21 @@ class DifferentialScorer:
     def __call__(self, estimate: Update) -> dict[str, float]:
         """``Score(reference + estimate) - Score(reference)`` for every statistic, or the
         paired scorer's contrast of the two."""
+        return self.score_many([estimate])[0]
+
+    def score_many(self, estimates: Sequence[Update]) -> list[dict[str, float]]:
+        """:meth:`__call__` for every estimate; a paired scorer with ``observe_many`` sees all
+        candidates at once (one batched pass), any other scorer one candidate at a time (so
+        only one candidate's parameters exist at a time)."""
+        if self.paired and callable(getattr(self.scorer, "observe_many", None)):
+            observations = self.scorer.observe_many(
+                [self.apply(self.reference, e) for e in estimates]
+            )
+            ref = self._reference_obs
+            return [as_statistics(self.scorer.contrast(ref, o)) for o in observations]
+        return [self._score_one(e) for e in estimates]
+
+    def _score_one(self, estimate: Update) -> dict[str, float]:
         candidate = self.apply(self.reference, estimate)
         if self.paired:
             return as_statistics(

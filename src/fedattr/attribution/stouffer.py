@@ -97,23 +97,6 @@ class AttributionReport:
             },
         }
 
-    def to_markdown(self) -> str:
-        """A Markdown table: one row per client, one column per round."""
-        rounds = sorted({t for c in self.clients for t in c.z})
-        head = ["client", "watermarked", *[f"z (t={t})" for t in rounds], "Z", "p", "flagged"]
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for c in self.clients:
-            truth = "?" if c.watermarked is None else ("yes" if c.watermarked else "no")
-            zs = [f"{c.z[t]:+.2f}" if t in c.z else "–" for t in rounds]
-            p = f"{c.p:.2e}" if c.p > 0 else f"1e{c.log10_p:.0f}"
-            row = [str(c.id), truth, *zs, f"{c.Z:+.2f}", p, "**yes**" if c.flagged else "no"]
-            lines.append("| " + " | ".join(row) + " |")
-        tpr, fpr = self.tpr, self.fpr
-        fmt = lambda r: "n/a" if r is None else f"{100 * r:.1f}%"  # noqa: E731
-        lines.append("")
-        lines.append(f"γ = {self.gamma}; TPR = {fmt(tpr)}; FPR = {fmt(fpr)}")
-        return "\n".join(lines)
-
 
 def empirical_null(
     scores: Mapping[int, Mapping[int, float]], min_clients: int = 4

@@ -7,10 +7,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..errors import UserError
 from .records import Record
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A data source that cannot be read or has the wrong shape."""
 
 

@@ -7,15 +7,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import UserError
 from .records import Record
 
 
 def partition_iid(records: Sequence[Record], K: int, seed: int = 0) -> list[list[Record]]:
     """Shuffle and deal into ``K`` near-equal shards."""
     if K < 1:
-        raise ValueError(f"K: must be >= 1, got {K}")
+        raise UserError(f"K: must be >= 1, got {K}")
     if len(records) < K:
-        raise ValueError(f"data: {len(records)} records cannot give each of K={K} clients one")
+        raise UserError(f"data: {len(records)} records cannot give each of K={K} clients one")
     order = np.random.default_rng(seed).permutation(len(records))
     return [[records[i] for i in order[k::K]] for k in range(K)]
 
@@ -30,9 +31,9 @@ def partition_dirichlet(
     Redraws (up to 100 times) until every client has at least ``min_size`` records.
     """
     if alpha <= 0:
-        raise ValueError(f"data.dirichlet_alpha: must be > 0, got {alpha}")
+        raise UserError(f"data.dirichlet_alpha: must be > 0, got {alpha}")
     if len(records) < K * min_size:
-        raise ValueError(f"data: {len(records)} records are too few for K={K} clients")
+        raise UserError(f"data: {len(records)} records are too few for K={K} clients")
     by_cat: dict[str, list[int]] = defaultdict(list)
     for i, rec in enumerate(records):
         by_cat[rec.category].append(i)
@@ -47,7 +48,7 @@ def partition_dirichlet(
                 shards[k].extend(int(i) for i in part)
         if min(len(s) for s in shards) >= min_size:
             return [[records[i] for i in sorted(s)] for s in shards]
-    raise ValueError(
+    raise UserError(
         f"data.dirichlet_alpha={alpha}: could not give every one of K={K} clients "
         f"{min_size} records in 100 draws; raise alpha or use more data"
     )
@@ -57,5 +58,5 @@ def aggregation_weights(sizes: Sequence[int]) -> list[float]:
     """``p_i = |D_i| / sum_j |D_j|``."""
     total = float(sum(sizes))
     if total <= 0:
-        raise ValueError("aggregation weights: clients hold no data")
+        raise UserError("aggregation weights: clients hold no data")
     return [s / total for s in sizes]

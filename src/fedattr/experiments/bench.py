@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..errors import UserError
+from ..reporting.markdown import table
 from ..secagg import BACKENDS, SecAggConfig, make_aggregator
 
 
@@ -58,15 +60,15 @@ def bench_secagg(
 ) -> list[BenchRow]:
     """Time ``repeats`` queries over ``members`` clients of ``dim`` float32 coordinates each."""
     if dim < 1:
-        raise ValueError(f"--dim: must be >= 1, got {dim}")
+        raise UserError(f"--dim: must be >= 1, got {dim}")
     if members < 1:
-        raise ValueError(f"--members: must be >= 1, got {members}")
+        raise UserError(f"--members: must be >= 1, got {members}")
     if repeats < 1:
-        raise ValueError(f"--repeats: must be >= 1, got {repeats}")
+        raise UserError(f"--repeats: must be >= 1, got {repeats}")
     names = list(backends or BACKENDS)
     unknown = [b for b in names if b not in BACKENDS]
     if unknown:
-        raise ValueError(f"--backend: unknown {unknown}; allowed: {', '.join(BACKENDS)}")
+        raise UserError(f"--backend: unknown {unknown}; allowed: {', '.join(BACKENDS)}")
     say = progress or (lambda msg: print(msg, file=sys.stderr))
     gen = torch.Generator().manual_seed(0)
     vectors = [torch.randn(dim, generator=gen) * 1e-2 for _ in range(members)]
@@ -116,15 +118,11 @@ def bench_secagg(
 
 def format_rows(rows: Sequence[BenchRow]) -> str:
     """Markdown table of benchmark rows."""
-    lines = [
-        "| backend | device | dim | members | ms/query | slowest client ms | upload ms/client "
-        "| MB moved/query | × plain sum |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r.backend} | {r.device} | {r.dim:,} | {r.members} | {r.ms_per_query:.1f} | "
-            f"{r.client_ms_max:.1f} | {r.upload_ms:.1f} | {r.bytes_per_query / 1e6:.1f} | "
-            f"{r.ratio_to_plain_sum:.1f} |"
-        )
-    return "\n".join(lines)
+    head = ["backend", "device", "dim", "members", "ms/query", "slowest client ms",
+            "upload ms/client", "MB moved/query", "× plain sum"]  # fmt: skip
+    return table(head, (
+        [r.backend, r.device, f"{r.dim:,}", r.members, f"{r.ms_per_query:.1f}",
+         f"{r.client_ms_max:.1f}", f"{r.upload_ms:.1f}", f"{r.bytes_per_query / 1e6:.1f}",
+         f"{r.ratio_to_plain_sum:.1f}"]
+        for r in rows
+    ))  # fmt: skip

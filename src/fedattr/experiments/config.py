@@ -1,156 +1,33 @@
-"""The configuration of ``fedattr run``: one typed tree, loadable from a file."""
+"""The configurations of the commands: ``fedattr run`` (:class:`RunConfig`) and
+``fedattr demo-protocol`` (:class:`DemoConfig`), each a tree of the sections that live beside
+their packages, loadable from a file."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
-from ..attribution.protocol import AttributionConfig
-from ..config import check_client_ids
+from ..attribution.config import AttributionConfig, harden
+from ..config import ConfigError, check_client_ids, from_dict, to_dict
+from ..data.config import DataConfig
+from ..fl.config import FLConfig
+from ..fl.synthetic import SyntheticConfig
 from ..models.config import LoRAConfig, ModelConfig
-from ..models.training import TrainSettings
-from ..secagg import SecAggConfig, single_estimate_budget
+from ..secagg.config import SecAggConfig
+from ..watermarks.config import WatermarkConfig
+from ..watermarks.registry import WATERMARKS
 
 
 @dataclass
-class DataConfig:
-    """Where the clients' instruction data comes from and how it is split."""
+class DemoConfig:
+    """Configuration of ``fedattr demo-protocol``."""
 
-    path: str = ""
-    """Local .json/.jsonl (Alpaca or chat form) or a Hugging Face dataset id; empty: the
-    embedded procedural corpus."""
-    split: str = "train"
-    records: int = 2000
-    """Records drawn for the clients (embedded corpus size, or a cap on a loaded file)."""
-    partition: str = "iid"
-    """``iid`` or ``dirichlet``."""
-    dirichlet_alpha: float = 0.5
-    max_len: int = 128
-    """Longest training sequence in tokens."""
-    seed: int = 0
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
+    attribution: AttributionConfig = field(default_factory=AttributionConfig)
 
     def __post_init__(self) -> None:
-        if self.partition not in ("iid", "dirichlet"):
-            raise ValueError(f"data.partition: must be iid or dirichlet, got {self.partition!r}")
-        if self.records < 1:
-            raise ValueError(f"data.records: must be >= 1, got {self.records}")
-        if self.max_len < 8:
-            raise ValueError(f"data.max_len: must be >= 8, got {self.max_len}")
-        p = Path(self.path)
-        # Only a .json/.jsonl path is surely a local file: "owner/name" may be a hub dataset id.
-        if self.path and p.suffix in (".json", ".jsonl") and not p.exists():
-            # Checked here, before any model is loaded or trained.
-            raise ValueError(f"data.path: file {self.path!r} does not exist")
-
-
-@dataclass
-class WatermarkConfig:
-    """The owners' watermark (KGW or Fictitious Knowledge) and its detection."""
-
-    kind: str = "kgw"
-    """``kgw`` (teacher-rewritten responses under the owner's green lists) or ``fk``
-    (Fictitious Knowledge: documents about a fabricated entity per watermarked client; every
-    watermarked client is its own owner, so ``owners`` is ignored)."""
-    r: int = 3
-    """Watermarked clients, chosen by seed (ignored when ``clients`` is given)."""
-    clients: list[int] | None = None
-    owners: int = 3
-    """Corpus owners, each with a secret key; watermarked client k uses owner k mod owners."""
-    ratio: float = 0.20
-    """Share of a watermarked client's records replaced by its owner's documents (rho_wm)."""
-    gamma: float = 0.25
-    delta: float = 3.0
-    key_seed: int = 1234
-    temperature: float = 0.8
-    top_p: float = 0.95
-    doc_max_new_tokens: int = 96
-    min_tokens: int = 8
-    detector: str = "reading"
-    """``reading``: fedattr's teacher-forced tests of the change (KGW: ``KGWReadingScorer``;
-    FK: ``FKLikelihoodScorer``, rank of the true value among decoys); ``greedy``: the paper's
-    (KGW: greedy generations, z on green counts; FK: QA hit rates of greedy answers)."""
-    fk_writer: str = "template"
-    """FK documents: ``template`` (varied templates) or ``teacher`` (the model writes each
-    document from templated facts; the share that keeps every target is reported)."""
-    fk_questions: int = 25
-    """Paraphrased QA probes per attribute for the greedy FK detector."""
-    fk_reading_questions: int = 2
-    """Questions per attribute read by the FK reading detector (its noise is in the decoys)."""
-    fk_statistic: str = "margin"
-    """FK reading detector: ``margin`` (the true value's log-probability margin over its
-    decoys, in nats; FedAttr standardises it with the empirical null, ``attribution.null =
-    "auto"``) or ``rank`` (exact rank test per attribute, Fisher; scale-free, so cross-talk
-    flips its sign rather than shrinking it: see README Finding 5)."""
-    fk_decoys: int = 31
-    """Decoy values per attribute for the FK reading detector's rank test."""
-    fk_answer_tokens: int = 24
-    detect_prompts: int = 128
-    """Held-out detection records: prompts to generate from (greedy) or texts to read."""
-    detect_max_new_tokens: int = 48
-    dedupe: bool = True
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("kgw", "fk"):
-            raise ValueError(f"watermark.kind: must be kgw or fk, got {self.kind!r}")
-        if self.fk_statistic not in ("rank", "margin"):
-            raise ValueError(
-                f"watermark.fk_statistic: must be rank or margin, got {self.fk_statistic!r}"
-            )
-        if self.fk_writer not in ("template", "teacher"):
-            raise ValueError(
-                f"watermark.fk_writer: must be template or teacher, got {self.fk_writer!r}"
-            )
-        if not 1 <= self.fk_questions <= 25 or not 1 <= self.fk_reading_questions <= 25:
-            raise ValueError("watermark.fk_questions and fk_reading_questions: must be in 1..25")
-        if self.fk_decoys < 1 or self.fk_answer_tokens < 1:
-            raise ValueError("watermark.fk_decoys and fk_answer_tokens: must be >= 1")
-        if not 0.0 < self.ratio <= 1.0:
-            raise ValueError(f"watermark.ratio: must be in (0, 1], got {self.ratio}")
-        if self.detector not in ("reading", "greedy"):
-            raise ValueError(
-                f"watermark.detector: must be reading or greedy, got {self.detector!r}"
-            )
-        if self.owners < 1:
-            raise ValueError(f"watermark.owners: must be >= 1, got {self.owners}")
-        if self.r < 0:
-            raise ValueError(f"watermark.r: must be >= 0, got {self.r}")
-        if not 0.0 < self.gamma < 1.0:
-            raise ValueError(f"watermark.gamma: must be in (0, 1), got {self.gamma}")
-        if self.detect_prompts < 1 or self.detect_max_new_tokens < 1:
-            raise ValueError("watermark.detect_prompts and detect_max_new_tokens: must be >= 1")
-
-
-@dataclass
-class FLConfig:
-    """Federated training."""
-
-    K: int = 10
-    rounds: int = 5
-    participation: float = 1.0
-    """Fraction C/K of clients sampled each round."""
-    strategy: str = "fedit"
-    """``fedit`` or ``flora``."""
-    train: TrainSettings = field(default_factory=lambda: TrainSettings(lr=1e-3, epochs=2))
-    """Local training. The tiny default trains 2 epochs at peak LR 1e-3 (a from-scratch 2-layer
-    model learns little in the paper's 1 epoch at 2e-4); the smollm2 preset uses 1 at 2e-4."""
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.K < 3:
-            raise ValueError(f"fl.K: must be >= 3, got {self.K}")
-        if self.rounds < 1:
-            raise ValueError(f"fl.rounds: must be >= 1, got {self.rounds}")
-        if not 0.0 < self.participation <= 1.0:
-            raise ValueError(f"fl.participation: must be in (0, 1], got {self.participation}")
-        if self.strategy not in ("fedit", "flora"):
-            raise ValueError(f"fl.strategy: must be fedit or flora, got {self.strategy!r}")
-
-
-def harden(attribution: AttributionConfig, secagg: SecAggConfig, K: int) -> None:
-    """Hardened mode without an explicit budget gets the paper's single-estimate bound at
-    (K, N, M): no client may leak more jointly than one accepted estimate may alone."""
-    if attribution.mode == "hardened" and secagg.release_budget == 0:
-        secagg.release_budget = single_estimate_budget(K, attribution.N, attribution.M)
+        self.secagg = harden(self.attribution, self.secagg, self.synthetic.K)
 
 
 @dataclass
@@ -167,6 +44,11 @@ class RunConfig:
     baselines: bool = False
     """Also run the baselines (global-model test, Direct, FLDetector, FLForensics) on the same
     training run; they read plaintext updates, which FedAttr never does."""
+    variants: list[dict[str, Any]] = field(default_factory=list)
+    """More FedAttr configurations watching the same training run, each a table of
+    ``[attribution]`` keys that differ from the main one plus an optional ``name``, e.g.
+    ``--set 'variants=[{"name": "M10", "M": 10}]'``. Each gets its own SA session and results
+    (``results.json`` -> ``variants``); training runs once."""
 
     def __post_init__(self) -> None:
         wm = self.watermark
@@ -175,22 +57,50 @@ class RunConfig:
         elif wm.r > self.fl.K:
             raise ValueError(f"watermark.r: must be in 0..fl.K={self.fl.K}, got {wm.r}")
         n_wm = len(wm.clients) if wm.clients is not None else wm.r
-        if wm.kind == "fk" and n_wm > 6:
+        most = WATERMARKS[wm.kind].max_clients
+        if most is not None and n_wm > most:
             raise ValueError(
-                f"watermark.r: FK has 6 entity domains, one per watermarked client; got {n_wm}"
+                f"watermark.r: {wm.kind} supports at most {most} watermarked clients "
+                f"(one entity domain each); got {n_wm}"
             )
-        n = max(1, round(self.fl.participation * self.fl.K))
+        n = self.fl.per_round
         if not n - 1 > self.attribution.N:
             raise ValueError(
                 f"attribution.N={self.attribution.N} needs N < (clients per round) - 1 = {n - 1}; "
                 f"lower N or raise fl.K / fl.participation"
             )
-        harden(self.attribution, self.secagg, n)
+        self.secagg = harden(self.attribution, self.secagg, n)
+        self.attribution_variants()  # validated before any work starts
         if self.secagg.min_members > self.attribution.N:
             raise ValueError(
                 f"attribution.N={self.attribution.N} is below secagg.min_members="
                 f"{self.secagg.min_members}; the V-subsets would be refused by SA"
             )
+
+    def attribution_variants(self) -> dict[str, AttributionConfig]:
+        """Name -> configuration of every FedAttr observer, the main one (``fedattr``) first."""
+        out = {"fedattr": self.attribution}
+        base = to_dict(self.attribution)
+        for i, variant in enumerate(self.variants, 1):
+            if not isinstance(variant, dict):
+                raise ConfigError(f"variants[{i - 1}]: expected a table of attribution keys")
+            keys = dict(variant)
+            name = str(keys.pop("name", f"variant{i}"))
+            if name in out:
+                raise ConfigError(f"variants[{i - 1}].name: {name!r} is taken; names must differ")
+            cfg = from_dict(AttributionConfig, {**base, **keys}, prefix=f"variants[{i - 1}].")
+            if cfg.mode != self.attribution.mode:
+                raise ConfigError(
+                    f"variants[{i - 1}].mode: must equal attribution.mode="
+                    f"{self.attribution.mode!r} (one SA release policy per run)"
+                )
+            if not self.fl.per_round - 1 > cfg.N or self.secagg.min_members > cfg.N:
+                raise ConfigError(
+                    f"variants[{i - 1}].N: must be in {self.secagg.min_members}.."
+                    f"{self.fl.per_round - 2}, got {cfg.N}"
+                )
+            out[name] = cfg
+        return out
 
 
 PRESET_OVERRIDES: dict[str, list[str]] = {

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import load, to_dict
+from ..errors import UserError
+from ..reporting.markdown import table
+from ..reporting.run_folder import RunFolder
 from .config import PRESET_OVERRIDES, RunConfig
 from .run import RunResult, run_experiment
 
@@ -57,11 +59,11 @@ class MainSpec:
 
     def __post_init__(self) -> None:
         if self.preset not in WATERMARK_OVERRIDES:
-            raise ValueError(
+            raise UserError(
                 f"--preset: must be one of {', '.join(WATERMARK_OVERRIDES)}, got {self.preset!r}"
             )
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"--seeds: need distinct seeds, got {list(self.seeds)}")
+            raise UserError(f"--seeds: need distinct seeds, got {list(self.seeds)}")
 
     def run_config(self, strategy: str, watermark: str, seed: int) -> RunConfig:
         """The resolved configuration of one run."""
@@ -86,23 +88,16 @@ def run_or_reuse(
     cfg: RunConfig, folder: Path, progress: Callable[[str], None] | None = None
 ) -> RunResult | None:
     """Run ``cfg`` into ``folder`` (resuming its checkpoint if one is there), or keep the
-    finished run already there: ``None`` then. A finished run of another configuration is an
+    finished run already there: ``None`` then. A run of another configuration there is an
     error naming ``--out``. ``progress`` hears ``"<folder>: running"`` before a run starts."""
-    if (folder / "results.json").is_file():
-        saved = json.loads((folder / "config.json").read_text())
-        if saved != json.loads(json.dumps(to_dict(cfg))):
-            raise ValueError(
-                f"--out: {str(folder)!r} was run with another configuration; "
-                "choose another --out or remove it"
-            )
+    run_folder = RunFolder(folder)
+    if run_folder.claim(to_dict(cfg), reuse=True) == "finished":
         return None
     if progress is not None:
         progress(f"{folder.name}: running")
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    result = run_experiment(cfg, checkpoint_dir=folder / "checkpoint")
-    result.write(folder)
-    shutil.rmtree(folder / "checkpoint", ignore_errors=True)  # finished: results supersede it
+    result = run_experiment(cfg, folder=run_folder)
+    result.write(run_folder)
+    run_folder.clear_checkpoint()
     return result
 
 
@@ -158,8 +153,7 @@ def summarize(out: Path, spec: MainSpec) -> dict:
     for s, w in SETTINGS:
         per_method: dict[str, dict] = {}
         for seed in spec.seeds:
-            path = out / run_name(s, w, seed) / "results.json"
-            results = json.loads(path.read_text())
+            results = RunFolder(out / run_name(s, w, seed)).results()
             timing[run_name(s, w, seed)] = results["timing"]
             for name, row in _method_rows(results).items():
                 m = per_method.setdefault(name, {"runs": []})
@@ -198,16 +192,8 @@ def write_tables(summary: dict, out: Path) -> None:
     cols = [f"{s}/{w}" for s, w in SETTINGS]
     heads = [f"{s.replace('fedit', 'FedIT').replace('flora', 'FLoRA')} · {w.upper()}"
              for s, w in SETTINGS]  # fmt: skip
-    lines = [
-        f"Preset `{summary['preset']}`, seeds {summary['seeds']}: TPR and FPR in % "
-        "(mean ± std over seeds), p = median over seeds of the median p-value of the "
-        "watermarked clients. SA: ✓ respects secure aggregation (sees only subset sums), "
-        "✗ reads plaintext client updates.",
-        "",
-        "| Method | SA | " + " | ".join(f"{h} TPR | FPR | p" for h in heads) + " |",
-        "|---|---|" + "---|---|---|" * len(cols),
-    ]
     settings = summary["settings"]
+    rows = []
     for name, label, sa in METHODS:
         cells = []
         for col in cols:
@@ -215,7 +201,7 @@ def write_tables(summary: dict, out: Path) -> None:
             cells += ["–", "–", "–"] if m is None else [
                 _pct(m["tpr"]), _pct(m["fpr"]), _p(m["p_median"])
             ]  # fmt: skip
-        lines.append(f"| {label} | {'✓' if sa else '✗'} | " + " | ".join(cells) + " |")
+        rows.append([label, "✓" if sa else "✗", *cells])
     glob = [settings[c].get("Global model") for c in cols]
     if any(glob):
         n = len(summary["seeds"])
@@ -224,8 +210,17 @@ def write_tables(summary: dict, out: Path) -> None:
             cells += ["–", "–", "–"] if g is None else [
                 f"detected {g.get('detected', 0)}/{n}", "names nobody", _p(g["p_median"])
             ]  # fmt: skip
-        lines.append("| Global-model test | ✓ | " + " | ".join(cells) + " |")
-    lines += ["", f"Total run time: {summary['total_s'] / 60:.1f} min."]
+        rows.append(["Global-model test", "✓", *cells])
+    lines = [
+        f"Preset `{summary['preset']}`, seeds {summary['seeds']}: TPR and FPR in % "
+        "(mean ± std over seeds), p = median over seeds of the median p-value of the "
+        "watermarked clients. SA: ✓ respects secure aggregation (sees only subset sums), "
+        "✗ reads plaintext client updates.",
+        "",
+        table(["Method", "SA", *[x for h in heads for x in (f"{h} TPR", "FPR", "p")]], rows),
+        "",
+        f"Total run time: {summary['total_s'] / 60:.1f} min.",
+    ]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     with (out / "table.csv").open("w", newline="") as f:
         w = csv.writer(f)

@@ -20,12 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from ..attribution.stouffer import empirical_null
+from ..errors import UserError
+from ..reporting.run_folder import RunFolder
 
 
 def _load(run_dir: Path) -> tuple[dict, list[dict]]:
-    results = json.loads((run_dir / "results.json").read_text())
-    rounds = [json.loads(line) for line in (run_dir / "rounds.jsonl").read_text().splitlines()]
-    return results, rounds
+    folder = RunFolder(run_dir)
+    return folder.results(), folder.read_rounds()
 
 
 def scores_by_client(rounds: list[dict]) -> dict[int, dict[str, dict[int, float]]]:
@@ -54,7 +55,7 @@ def estimate(run_dir: str | Path) -> dict:
     benign = [c for c in z if c not in owner_of]
     ben_z = [v for c in benign for per in z[c].values() for v in per.values()]
     if not wm_z or not ben_z:
-        raise ValueError("mechanism: the run needs watermarked and benign clients (watermark.r)")
+        raise UserError("mechanism: the run needs watermarked and benign clients (watermark.r)")
     eps = statistics.fmean(ben_z)
     m = statistics.fmean(wm_z) - eps
     resid = [v - eps - m for v in wm_z] + [v - eps for v in ben_z]

@@ -1,53 +1,63 @@
-"""``fedattr run``: federated LoRA fine-tuning with watermarked clients, SA, and FedAttr.
+"""``fedattr run`` and ``fedattr demo-protocol``: assemble a federation, hand it to the round
+engine, and turn what the observers saw into results.
 
-Data flows one way: config -> data and model -> FL rounds (every update only through SA) ->
-FedAttr on each round's SA queries -> report files.
+Data flows one way: config -> data and model -> client pool -> round engine (every update only
+through SA) -> FedAttr observers (SA queries, then scores) -> results and run folder. No round
+is run here: :class:`~fedattr.fl.server.RoundEngine` runs them.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+import dataclasses
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-import torch
-from tqdm.auto import tqdm
-
-from ..attribution.protocol import FedAttr, resolve_scorer_null
+from ..attribution.config import AttributionConfig
+from ..attribution.observer import AttributionObserver
+from ..attribution.protocol import FedAttr
+from ..attribution.scoring import LinearScorer
 from ..attribution.stouffer import AttributionReport
 from ..baselines import BaselineRecorder, BaselineResult
+from ..baselines.observer import BaselineObserver
 from ..config import to_dict
-from ..fl import sa_scales
+from ..fl.fedavg import FedAvgServer
+from ..fl.federation import build_federation
+from ..fl.inprocess import InProcessPool
+from ..fl.progress import Progress
+from ..fl.registry import make_strategy
+from ..fl.server import Checkpointer, Observer, RoundEngine, Stopwatch
+from ..fl.synthetic import SyntheticPool
 from ..models.loading import load_model
-from ..models.lora import attach_lora, trainable_lora_parameters
+from ..models.lora import attach_lora, load_state
 from ..models.text import encode_examples
-from ..models.training import train
-from ..reporting.run_folder import write_run_folder
+from ..reporting.markdown import attribution_table, baselines_table, stages_table, variants_table
+from ..reporting.run_folder import RunFolder
 from ..secagg import make_aggregator
-from .config import RunConfig
-from .federation import build_federation, make_scorer, make_strategy
+from ..watermarks.registry import WATERMARKS
+from .config import DemoConfig, RunConfig
 
-Progress = Callable[[str], None]
+Say = Callable[[str], None]
 
 
 @dataclass
 class RunResult:
-    """Everything a run produced."""
+    """Everything a run produced (``fedattr run`` or ``demo-protocol``)."""
 
-    config: RunConfig
+    config: RunConfig | DemoConfig
     report: AttributionReport
     rounds: list[dict]
     sa_queries: int
     timing: dict[str, float]
-    federation: dict
     queries: list[dict] = field(default_factory=list)
-    baselines: list[BaselineResult] = field(default_factory=list)
     null: str = "theoretical"
     """The null the differential scores were read under (``attribution.null`` resolved)."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """Keys of ``results.json`` particular to the command (federation, strategy, ...)."""
+    baselines: list[BaselineResult] = field(default_factory=list)
+    variants: dict[str, dict] = field(default_factory=dict)
+    """Extra FedAttr configurations on the same run: name -> what differs, flags, rates."""
 
     def to_dict(self) -> dict:
         """JSON-ready form (``results.json``)."""
@@ -56,243 +66,193 @@ class RunResult:
             mode=self.config.attribution.mode,
             null=self.null,
             sa_queries=self.sa_queries,
-            timing=self.timing,
-            federation=self.federation,
-            strategy=self.config.fl.strategy,
-            watermark=self.config.watermark.kind,
-            detector=self.config.watermark.detector,
             sa_backend=self.config.secagg.backend,
+            timing=self.timing,
+            **self.details,
             baselines=[b.to_dict() for b in self.baselines],
+            variants=self.variants,
         )
         return out
 
-    def write(self, out_dir: str | Path) -> Path:
-        """Write config.json, rounds.jsonl, results.json, report.md and attribution.png."""
-        t, c = self.timing, self.config
-        report_md = (
-            f"# FedAttr run: {c.fl.strategy}, {c.watermark.kind.upper()} "
-            f"({c.watermark.detector} detector), {c.model.preset} ({c.attribution.mode} mode)"
-            f"\n\nK={c.fl.K}, T={c.fl.rounds}, N={c.attribution.N}, M={c.attribution.M}, "
-            f"{self.null} null, "
-            f"SA backend `{c.secagg.backend}` ({self.sa_queries} SA queries).\n\n"
-            + self.report.to_markdown()
-            + "\n\n| stage | seconds |\n|---|---|\n"
-            + "".join(f"| {k} | {v:.1f} |\n" for k, v in t.items())
-            + f"\nFedAttr overhead over FL training: {100 * t['overhead']:.1f}% "
-            "((SA + scoring) / training)" + baseline_markdown(self.baselines)
-        )
-        return write_run_folder(
-            out_dir,
-            config=to_dict(c),
-            rounds=self.rounds,
-            queries=self.queries,
-            results=self.to_dict(),
-            report=self.report,
-            report_md=report_md,
-        )
+    def markdown(self) -> str:
+        """``report.md``: what ran, the attribution table, stages, variants, baselines."""
+        c = self.config
+        if isinstance(c, RunConfig):
+            title = (
+                f"# FedAttr run: {c.fl.strategy}, {c.watermark.kind.upper()} "
+                f"({c.watermark.detector} detector), {c.model.preset} ({c.attribution.mode} mode)"
+            )
+            K, T = c.fl.K, c.fl.rounds
+        else:
+            title = f"# FedAttr synthetic protocol run ({c.attribution.mode} mode)"
+            K, T = c.synthetic.K, c.synthetic.rounds
+        a = c.attribution
+        parts = [
+            title,
+            f"K={K}, T={T}, N={a.N}, M={a.M}, {self.null} null, SA backend "
+            f"`{c.secagg.backend}` ({self.sa_queries} SA queries).",
+            attribution_table(self.report),
+            stages_table(self.timing),
+            f"FedAttr overhead over FL training: {100 * self.timing['overhead']:.1f}% "
+            "((SA + scoring) / training)",
+        ]
+        if self.variants:
+            parts += ["## Other attribution configurations (same training run)",
+                      variants_table(self.variants)]  # fmt: skip
+        if self.baselines:
+            parts += ["## Baselines (same training run)",
+                      baselines_table([b.to_dict() for b in self.baselines])]  # fmt: skip
+        return "\n\n".join(parts)
+
+    def write(self, folder: RunFolder | str | Path) -> RunFolder:
+        """The run folder's result files. A path is claimed first (a new folder: its
+        ``config.json`` is written; anything else is refused); a :class:`RunFolder` is taken
+        as claimed when the run started."""
+        if not isinstance(folder, RunFolder):
+            folder = RunFolder(folder)
+            folder.claim(to_dict(self.config))
+        folder.write_results(
+            rounds=self.rounds, queries=self.queries, results=self.to_dict(),
+            report_md=self.markdown(), report=self.report,
+        )  # fmt: skip
+        return folder
 
 
-def baseline_markdown(results: list[BaselineResult]) -> str:
-    """The baselines' verdicts as a Markdown section (empty without baselines)."""
-    if not results:
-        return ""
-    pct = lambda r: "–" if r is None else f"{100 * r:.0f}%"  # noqa: E731
-    rows = [
-        f"| {b.name} | {'✓' if b.respects_sa else '✗'} | "
-        + ("(names nobody)" if b.flagged is None else ", ".join(map(str, b.flagged)) or "none")
-        + f" | {pct(b.tpr)} | {pct(b.fpr)} | {'–' if b.p is None else f'{b.p:.2e}'} |"
-        for b in results
+def _observers(
+    variants: Mapping[str, AttributionConfig], scorer: Any, marked: Collection[int]
+) -> list[AttributionObserver]:
+    return [
+        AttributionObserver(FedAttr(cfg), scorer, name, primary=(k == 0), marked=marked)
+        for k, (name, cfg) in enumerate(variants.items())
     ]
-    return (
-        "\n\n## Baselines (same training run)\n\n| baseline | respects SA | flagged | TPR | FPR "
-        "| p |\n|---|---|---|---|---|---|\n" + "\n".join(rows)
-    )
 
 
-CHECKPOINT = "state.pt"
+def _finish(
+    cfg: RunConfig | DemoConfig,
+    engine: RoundEngine,
+    observers: list[AttributionObserver],
+    truth: Mapping[int, bool],
+    details: dict,
+    baselines: list[BaselineResult] = (),
+) -> RunResult:
+    """Results of the primary observer, with the other observers as variants."""
+    timing = dict(engine.timing.seconds)
+    timing["total_s"] = engine.timing.elapsed()
+    timing["overhead"] = (timing["sa_s"] + timing["scoring_s"]) / max(timing["train_s"], 1e-9)
+    losses = {h.round: h.losses for h in engine.history}
+    primary, *others = observers
+    rounds = [
+        {**r, **({"train_loss": {str(c): v for c, v in losses[r["round"]].items()}}
+                 if losses.get(r["round"]) else {})}
+        for r in primary.records
+    ]  # fmt: skip
+
+    def queries_of(name: str) -> int:
+        return sum(1 for q in engine.queries if q.get("session", "") in ("", name))
+
+    base = to_dict(primary.fedattr.config)
+    variants = {}
+    for o in others:
+        rep = o.fedattr.report(truth)
+        variants[o.name] = {
+            "differs": {k: v for k, v in to_dict(o.fedattr.config).items() if base[k] != v},
+            "null": o.fedattr.null,
+            "tpr": rep.tpr,
+            "fpr": rep.fpr,
+            "flagged": rep.flagged,
+            "sa_queries": queries_of(o.name),
+            "timing": o.timing,
+            "clients": [c.to_dict() for c in rep.clients],
+        }
+    return RunResult(
+        dataclasses.replace(cfg), primary.fedattr.report(truth), rounds, queries_of(primary.name),
+        timing, engine.queries, primary.fedattr.null, details, list(baselines), variants,
+    )  # fmt: skip
 
 
-def _save_checkpoint(directory: Path, payload: dict) -> None:
-    # Write then rename: a kill during the write leaves the previous checkpoint intact.
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / (CHECKPOINT + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, directory / CHECKPOINT)
-
-
-def load_checkpoint(directory: Path) -> dict | None:
-    """The last checkpoint in ``directory``, or ``None``."""
-    path = directory / CHECKPOINT
-    return torch.load(path, weights_only=False) if path.is_file() else None
+def _checkpointing(folder: RunFolder | None, engine_observers: list[Observer]) -> None:
+    if folder is not None:
+        engine_observers.append(Checkpointer(folder.save_checkpoint))
 
 
 def run_experiment(
-    cfg: RunConfig, progress: Progress | None = None, checkpoint_dir: str | Path | None = None
+    cfg: RunConfig, progress: Say | None = None, folder: RunFolder | None = None
 ) -> RunResult:
-    """Run one configured experiment end to end.
+    """Run one configured LLM federation end to end.
 
-    With ``checkpoint_dir``, the run saves its state after every round (global state, FedAttr
-    scores, records, query log, timings, the participant sampler's RNG) and, if a checkpoint is
-    already there, resumes after its round. Everything else (data, teacher documents, training
-    and design randomness) is a deterministic function of the configuration and the round, so a
-    resumed run ends with the same results as an uninterrupted one.
+    With ``folder``, the engine checkpoints after every round and a run with a checkpoint there
+    resumes after its round. Everything else (data, teacher documents, training and design
+    randomness) is a deterministic function of the configuration and the round, so a resumed
+    run ends with the same results as an uninterrupted one.
     """
-    say = progress or (lambda m: tqdm.write(m, file=sys.stderr))
-    timing = {"load_s": 0.0, "teacher_s": 0.0, "train_s": 0.0, "sa_s": 0.0, "scoring_s": 0.0}
-    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    saved = load_checkpoint(ckpt_dir) if ckpt_dir is not None else None
-    start = time.perf_counter()
-    model, tokenizer = load_model(cfg.model, say)
-    timing["load_s"] = time.perf_counter() - start
-
-    t0 = time.perf_counter()
-    fed = build_federation(cfg, model, tokenizer, say)
-    timing["teacher_s"] = time.perf_counter() - t0
-
+    say = Progress(progress)
+    timing = Stopwatch(("load_s", "teacher_s", "train_s", "sa_s", "scoring_s"))
+    saved = folder.load_checkpoint() if folder is not None else None
+    with timing.measure("load_s"):
+        model, tokenizer = load_model(cfg.model, say)
+    with timing.measure("teacher_s"):
+        fed = build_federation(cfg.data, cfg.watermark, cfg.fl.K, cfg.fl.seed, model, tokenizer,
+                               say)  # fmt: skip
     model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
-    strategy = make_strategy(cfg)
-    state = strategy.initial_state(model)
+    server, client = make_strategy(cfg.fl, cfg.lora)
+    state = server.initial_state(model)
     examples = [encode_examples(tokenizer, s, cfg.data.max_len) for s in fed.shards]
-    sizes = [len(e) for e in examples]
-    if min(sizes) == 0:
-        raise ValueError("data: a client has no usable training example; raise data.records")
-    scorer = make_scorer(cfg, model, tokenizer, fed, strategy)
-    fedattr = FedAttr(cfg.attribution)
-    fedattr.scorer_null = resolve_scorer_null(scorer)  # also right when resuming a finished run
-    recorder = None
-    if cfg.baselines:
-        t0 = time.perf_counter()
-        probe = scorer
-        if not callable(getattr(scorer, "probe_values", None)):
-            probe = make_scorer(cfg, model, tokenizer, fed, strategy, detector="reading")
-        recorder = BaselineRecorder(
-            scorer, probe, strategy.apply_estimate, strategy.scoring_params(state),
-            gamma=cfg.attribution.gamma, seed=cfg.fl.seed,
-            null=fedattr.null,
-        )  # fmt: skip
-        timing["baselines_s"] = time.perf_counter() - t0
-    sa = make_aggregator(cfg.secagg)
-    rng = np.random.default_rng([cfg.fl.seed, 11])
-    per_round = max(1, round(cfg.fl.participation * cfg.fl.K))
-    records: list[dict] = []
-    queries: list[dict] = []
-    first = 1
-    if saved is not None:
-        state, records, queries = saved["state"], saved["records"], saved["queries"]
-        fedattr.scores = saved["scores"]
-        rng.bit_generator.state = saved["rng"]
-        timing = {k: timing[k] + saved["timing"].get(k, 0.0) for k in timing}
-        if recorder is not None:
-            recorder.load(saved["baselines"])
-        start -= saved["elapsed"]
-        first = saved["round"] + 1
-        say(f"resuming after round {saved['round']} of {cfg.fl.rounds}")
-    params = trainable_lora_parameters(model)
-    for t in range(first, cfg.fl.rounds + 1):
-        participants = sorted(int(c) for c in rng.choice(cfg.fl.K, per_round, replace=False))
-        scales = dict(zip(participants, sa_scales([sizes[c] for c in participants]), strict=True))
-        sa.open_round(t, participants)
-        t0 = time.perf_counter()
-        losses = {}
-        plain = {}  # plaintext updates: only for the baselines, which do not respect SA
-        bar = tqdm(
-            participants,
-            desc=f"round {t}/{cfg.fl.rounds} local training",
-            leave=False,
-            disable=None,
-            file=sys.stderr,
-        )
-        for c in bar:
-            strategy.client_start(model, state, t, c)
-            stats = train(
-                model,
-                params,
-                examples[c],
-                cfg.fl.train,
-                tokenizer.pad_token_id,
-                seed=cfg.fl.seed * 100_003 + t * 101 + c,
-            )
-            losses[c] = stats["loss"]
-            update = strategy.client_update(model, state)
-            # Only the scaled update leaves the client, and only into secure aggregation.
-            sa.submit(c, {k: v.detach().float().cpu() * scales[c] for k, v in update.items()})
-            if recorder is not None:
-                plain[c] = {k: v.detach().float().cpu() for k, v in update.items()}
-        timing["train_s"] += time.perf_counter() - t0
-        # The round's aggregate first: training needs it whatever the release policy admits.
-        t0 = time.perf_counter()
-        total, answered = sa.sum_of_available(participants)
-        # Clients submitted n * p_i * Delta_i: dividing by the answering clients' sum of n * p_i
-        # gives the sample-weighted mean over whoever answered (all of them without dropouts).
-        weight = sum(scales[c] for c in answered)
-        mean_update = {k: v / weight for k, v in total.items()}
-        timing["sa_s"] += time.perf_counter() - t0
-        reference = strategy.scoring_params(state)
-        bar = tqdm(
-            total=len(participants),
-            desc=f"round {t}/{cfg.fl.rounds} FedAttr",
-            leave=False,
-            disable=None,
-            file=sys.stderr,
-        )
+    pool = InProcessPool(model, examples, client, cfg.fl.train, tokenizer.pad_token_id,
+                         seed=cfg.fl.seed)  # fmt: skip
+    kind, wm = WATERMARKS[cfg.watermark.kind], cfg.watermark
 
-        def on_target(rec, bar=bar) -> None:
-            timing["sa_s"] += rec.sa_seconds
-            timing["scoring_s"] += rec.score_seconds
-            bar.update(1)
+    def scorer_for(detector: str) -> Any:
+        return kind.scorer(wm, model, tokenizer, fed.owners, fed.detect_records,
+                           fed.detect_prompts, load_state, detector, cfg.data.max_len)  # fmt: skip
 
-        t0 = time.perf_counter()
-        record = fedattr.attribute_round(
-            t, sa, reference, scorer, apply=strategy.apply_estimate, on_target=on_target,
-            center=mean_update,
-        )  # fmt: skip
-        bar.close()
-        # The reference model's scoring happens inside attribute_round, outside any target.
-        timing["scoring_s"] += (time.perf_counter() - t0) - sum(
-            r.sa_seconds + r.score_seconds for r in record.targets
-        )
-        if recorder is not None:
-            t0 = time.perf_counter()
-            recorder.record_round(t, reference, plain, mean_update)
-            timing["baselines_s"] += time.perf_counter() - t0
-        state = strategy.apply_aggregate(state, mean_update)
-        sa.close_round()
-        rec = record.to_dict()
-        rec["train_loss"] = {str(c): v for c, v in losses.items()}
-        records.append(rec)
-        line = " ".join(
-            f"{r.target}{'*' if r.target in fed.owner_of else ''}:{max(r.z.values()):+.1f}"
-            for r in record.targets
-        )
-        say(f"[round {t}/{cfg.fl.rounds}] max-owner differential z (* = watermarked): {line}")
-        queries.extend(q.to_dict() for q in sa.log)
-        sa.log.clear()
-        if ckpt_dir is not None:
-            _save_checkpoint(ckpt_dir, {
-                "round": t, "state": state, "records": records, "queries": queries,
-                "scores": fedattr.scores, "rng": rng.bit_generator.state, "timing": timing,
-                "elapsed": time.perf_counter() - start,
-                "baselines": recorder.state() if recorder is not None else None,
-            })  # fmt: skip
-    truth = {c: c in fed.owner_of for c in range(cfg.fl.K)}
-    baselines = []
-    if recorder is not None:
-        t0 = time.perf_counter()
-        recorder.global_test(strategy.scoring_params(state))
-        baselines = recorder.results(truth)
-        timing["baselines_s"] += time.perf_counter() - t0
-    timing["total_s"] = time.perf_counter() - start
-    timing["overhead"] = (timing["sa_s"] + timing["scoring_s"]) / max(timing["train_s"], 1e-9)
-    report = fedattr.report(truth)
-    federation = {**fed.summary(), "client_sizes": sizes}
-    return RunResult(
-        replace(cfg),
-        report,
-        records,
-        len(queries),
-        timing,
-        federation,
-        queries,
-        baselines,
-        fedattr.null,
+    scorer = scorer_for(wm.detector)
+    observers: list[Observer] = list(
+        _observers(cfg.attribution_variants(), scorer, fed.owner_of)
     )
+    attribution = list(observers)
+    if cfg.baselines:
+        with timing.measure("baselines_s"):
+            probe = scorer if callable(getattr(scorer, "probe_values", None)) else scorer_for(
+                "reading"
+            )
+            recorder = BaselineRecorder(
+                scorer, probe, server.apply_estimate, server.scoring_params(state),
+                gamma=cfg.attribution.gamma, seed=cfg.fl.seed, null=attribution[0].fedattr.null,
+            )  # fmt: skip
+        baseline_observer = BaselineObserver(recorder, pool.open_tap())
+        observers.append(baseline_observer)
+    _checkpointing(folder, observers)
+    engine = RoundEngine(
+        pool, server, make_aggregator(cfg.secagg), observers, rounds=cfg.fl.rounds,
+        per_round=cfg.fl.per_round, seed=cfg.fl.seed, timing=timing, progress=say,
+    )  # fmt: skip
+    if saved is not None:
+        engine.restore(saved)
+    engine.run(state)
+    truth = fed.truth(cfg.fl.K)
+    details = {
+        "federation": {**fed.summary(), "client_sizes": pool.data_sizes()},
+        "strategy": cfg.fl.strategy,
+        "watermark": cfg.watermark.kind,
+        "detector": cfg.watermark.detector,
+    }
+    baselines = recorder.results(truth) if cfg.baselines else []
+    return _finish(cfg, engine, attribution, truth, details, baselines)
+
+
+def run_demo(config: DemoConfig | None = None, progress: Say | None = None,
+             folder: RunFolder | None = None) -> RunResult:  # fmt: skip
+    """The synthetic federation through SA and FedAttr (no language model)."""
+    cfg = config or DemoConfig()
+    syn = cfg.synthetic
+    pool = SyntheticPool(syn)
+    observers = _observers(
+        {"fedattr": cfg.attribution}, LinearScorer(pool.direction), pool.watermarked
+    )
+    engine = RoundEngine(
+        pool, FedAvgServer(), make_aggregator(cfg.secagg), list(observers), rounds=syn.rounds,
+        seed=syn.seed, progress=Progress(progress),
+    )  # fmt: skip
+    engine.run(pool.initial_params())
+    truth = {j: j in pool.watermarked for j in range(syn.K)}
+    return _finish(cfg, engine, observers, truth, {"config": to_dict(cfg)})

@@ -14,18 +14,18 @@ import numpy as np
 import torch
 
 from ..models.lora import adapter_state, base_state, load_state, lora_layers, merged_delta
-from ..updates import add_update
-from .strategy import State, Strategy
+from .strategy import ClientStrategy, ServerStrategy, State
 
 
-class FLoRA(Strategy):
+class FLoRAServer(ServerStrategy):
     """Update space: merged per-module deltas ``scaling * B @ A`` added into the base weights."""
 
     name = "flora"
 
-    def __init__(self, scaling: float, seed: int = 0) -> None:
-        self.scaling = scaling
-        self.seed = seed
+    @classmethod
+    def from_config(cls, fl, lora) -> FLoRAServer:
+        """Nothing to configure."""
+        return cls()
 
     def initial_state(self, model) -> State:
         # Zeroed B factors for scoring: with B = 0 the adapters add nothing to the base weights.
@@ -34,6 +34,24 @@ class FLoRA(Strategy):
             for name, layer in lora_layers(model).items()
         }
         return base_state(model)
+
+    def scoring_params(self, state: State) -> State:
+        return {**state, **self._zero_b}
+
+
+class FLoRAClient(ClientStrategy):
+    """Start from the merged base weights with fresh adapters; submit the merged product."""
+
+    name = "flora"
+
+    def __init__(self, scaling: float, seed: int = 0) -> None:
+        self.scaling = scaling
+        self.seed = seed
+
+    @classmethod
+    def from_config(cls, fl, lora) -> FLoRAClient:
+        """The LoRA scaling ``alpha / r`` and the run's seed (fresh adapters per round)."""
+        return cls(scaling=lora.scaling, seed=fl.seed)
 
     def _fresh_adapters(self, model, round_id: int, client_id: int) -> State:
         seed = int(np.random.default_rng([self.seed, round_id, client_id]).integers(2**62))
@@ -46,17 +64,8 @@ class FLoRA(Strategy):
             out[f"{name}.lora_B"] = torch.zeros_like(layer.lora_B["default"].weight)
         return out
 
-    def client_start(self, model, state: State, round_id: int, client_id: int) -> None:
+    def start(self, model, state: State, round_id: int, client_id: int) -> None:
         load_state(model, {**state, **self._fresh_adapters(model, round_id, client_id)})
 
-    def client_update(self, model, state: State) -> State:
+    def update(self, model, state: State) -> State:
         return merged_delta(adapter_state(model), self.scaling)
-
-    def apply_aggregate(self, state: State, mean_update: State) -> State:
-        return add_update(state, mean_update)
-
-    def scoring_params(self, state: State) -> State:
-        return {**state, **self._zero_b}
-
-    def load_for_scoring(self, model, params: State) -> None:
-        load_state(model, params)

@@ -1,51 +1,56 @@
-"""The abstract aggregation strategy (after Flower's ``server/strategy/strategy.py``).
+"""Aggregation strategies, split like Flower's ``server/strategy``: a server part and a client part.
 
-A strategy fixes the *update space*: what a client submits to secure aggregation, how the
-server turns the SA aggregate into the next global state, and which parameters the watermark
-scorer sees. FedAttr estimates live in the same space and are applied with
-:meth:`Strategy.apply_estimate`, so SA sums, aggregation and attribution always agree.
+A strategy fixes the *update space*: what a client submits to secure aggregation
+(:class:`ClientStrategy`), how the server turns the SA mean into the next global state and which
+parameters the watermark scorer sees (:class:`ServerStrategy`). FedAttr estimates live in the
+same space and are applied with :meth:`ServerStrategy.apply_estimate`, so SA sums, aggregation
+and attribution always agree. The round engine (:mod:`fedattr.fl.server`) only talks to the
+server part; client pools only to the client part.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any, ClassVar
 
 import torch
 
-from ..updates import add_update
+from ..updates import Update, add_update
 
 State = dict[str, torch.Tensor]
 
 
-class Strategy(ABC):
-    """How LoRA client results are turned into SA updates and a new global state."""
+class ServerStrategy(ABC):
+    """The server's side: global state, aggregation, and what is scored."""
 
-    name: str
+    name: ClassVar[str]
 
     @abstractmethod
-    def initial_state(self, model) -> State:
+    def initial_state(self, model: Any) -> Any:
         """The global state before round 1."""
 
-    @abstractmethod
-    def client_start(self, model, state: State, round_id: int, client_id: int) -> None:
-        """Load what a client starts local training from into ``model``."""
+    def aggregate(self, state: Any, mean_update: Update) -> Any:
+        """Next global state from the weighted mean of the clients' updates (default: add)."""
+        return add_update(state, mean_update)
 
-    @abstractmethod
-    def client_update(self, model, state: State) -> State:
-        """The client's update Delta_i (in this strategy's space) after local training."""
+    def scoring_params(self, state: Any) -> Any:
+        """Parameters a scorer loads for the global model ``w^{t-1}`` (default: the state)."""
+        return dict(state) if isinstance(state, dict) else state
 
-    @abstractmethod
-    def apply_aggregate(self, state: State, mean_update: State) -> State:
-        """Next global state from the weighted mean of the clients' updates."""
-
-    @abstractmethod
-    def scoring_params(self, state: State) -> State:
-        """Parameters the scorer loads for the global model ``w^{t-1}``."""
-
-    @abstractmethod
-    def load_for_scoring(self, model, params: State) -> None:
-        """Put ``params`` (a scoring state, possibly plus an estimate) into ``model``."""
-
-    def apply_estimate(self, params: State, delta: State) -> State:
+    def apply_estimate(self, params: Any, delta: Update) -> Any:
         """``w^{t-1} + Delta_hat_i``: key-wise addition (keys absent from delta unchanged)."""
         return add_update(params, delta)
+
+
+class ClientStrategy(ABC):
+    """A client's side: what it starts local training from and what it submits."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def start(self, model: Any, state: Any, round_id: int, client_id: int) -> None:
+        """Load what the client starts local training from into ``model``."""
+
+    @abstractmethod
+    def update(self, model: Any, state: Any) -> State:
+        """The client's update Delta_i (in this strategy's space) after local training."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
 from .config import ModelConfig
 from .tiny import ensure_tiny
 
@@ -16,7 +17,7 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError):
     """A model that cannot be found or loaded."""
 
 

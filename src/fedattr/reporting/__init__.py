@@ -1,5 +1,7 @@
-"""Turning attribution reports into files people read: plots (PNG)."""
+"""Turning results into files people use: run folders, Markdown tables, plots (PNG)."""
 
+from .markdown import attribution_table, table
 from .plots import plot_attribution
+from .run_folder import RunFolder
 
-__all__ = ["plot_attribution"]
+__all__ = ["RunFolder", "attribution_table", "plot_attribution", "table"]

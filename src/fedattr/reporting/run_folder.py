@@ -1,13 +1,35 @@
-"""The files of a run folder, written the same way by every experiment."""
+"""A run folder: its files, its configuration, and whether it is new, unfinished or finished.
+
+Every command that writes or reads runs (``run``, ``run --resume``, ``demo-protocol``,
+``experiment *``, ``audit``) goes through :class:`RunFolder`, so they agree on file names,
+refuse the same mistakes (a folder of another configuration, a finished run, a file) with the
+same one-line errors, and never overwrite a run's files before refusing.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import shutil
+import zipfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from ..attribution.stouffer import AttributionReport
-from .plots import plot_attribution
+import torch
+
+from ..attribution.audit import RoundAudit, audit_file
+from ..errors import UserError
+
+CONFIG = "config.json"
+ROUNDS = "rounds.jsonl"
+QUERIES = "queries.jsonl"
+RESULTS = "results.json"
+REPORT = "report.md"
+PLOT = "attribution.png"
+CHECKPOINT_DIR = "checkpoint"
+CHECKPOINT = "state.pt"
 
 
 def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
@@ -17,24 +39,175 @@ def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
             fh.write(json.dumps(row) + "\n")
 
 
-def write_run_folder(
-    out_dir: str | Path,
-    *,
-    config: dict,
-    rounds: list[dict],
-    queries: list[dict],
-    results: dict,
-    report: AttributionReport,
-    report_md: str,
-) -> Path:
-    """``config.json``, ``rounds.jsonl``, ``queries.jsonl`` (coefficients, never results),
-    ``results.json``, ``report.md`` (``report_md`` then a link to the plot), ``attribution.png``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    write_jsonl(out / "rounds.jsonl", rounds)
-    write_jsonl(out / "queries.jsonl", queries)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "report.md").write_text(report_md + "\n\n![attribution](attribution.png)\n")
-    plot_attribution(report, out / "attribution.png")
-    return out
+def _plain(config: dict) -> Any:
+    """The configuration as JSON would give it back (tuples -> lists, ...)."""
+    return json.loads(json.dumps(config))
+
+
+class RunFolder:
+    """One run's folder (``--out``).
+
+    States: ``new`` (absent or empty), ``started`` (configuration written, no round finished),
+    ``interrupted`` (a checkpoint after some round), ``finished`` (``results.json``), ``foreign``
+    (other files, no fedattr run).
+    """
+
+    def __init__(self, path: str | Path, option: str = "--out") -> None:
+        self.path = Path(path)
+        self.option = option
+        """How the user named the folder, for error messages."""
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def file(self, name: str) -> Path:
+        """Path of one of the folder's files."""
+        return self.path / name
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """Where the checkpoint of an unfinished run lives."""
+        return self.path / CHECKPOINT_DIR / CHECKPOINT
+
+    @property
+    def status(self) -> str:
+        """``new``, ``started``, ``interrupted``, ``finished`` or ``foreign``."""
+        if self.path.exists() and not self.path.is_dir():
+            raise UserError(f"{self.option}: {str(self.path)!r} is a file; give a folder")
+        if not self.path.exists() or not any(self.path.iterdir()):
+            return "new"
+        if self.file(RESULTS).is_file() and self.file(CONFIG).is_file():
+            return "finished"
+        if self.checkpoint_path.is_file():
+            return "interrupted"
+        if self.file(CONFIG).is_file():
+            return "started"
+        return "foreign"
+
+    def saved_config(self) -> dict:
+        """The configuration the folder was run with."""
+        try:
+            return json.loads(self.file(CONFIG).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(
+                f"{self.option}: {str(self.file(CONFIG))!r} cannot be read ({exc}); the folder "
+                "is damaged: choose another folder or remove it"
+            ) from exc
+
+    def claim(self, config: dict, *, reuse: bool = False) -> str:
+        """Take the folder for a run of ``config`` before any work starts.
+
+        Returns ``"new"`` (configuration written), ``"resume"`` (an unfinished run of the same
+        configuration) or ``"finished"`` (a finished run of it). Without ``reuse`` only a new
+        folder is accepted; with it (experiments) a run of the same configuration is resumed or
+        kept. Anything else is refused with one line, and nothing in the folder is touched.
+        """
+        status = self.status
+        where = repr(str(self.path))
+        if status == "foreign":
+            raise UserError(
+                f"{self.option}: {where} is not empty and holds no fedattr run; "
+                "choose a new or empty folder"
+            )
+        if status != "new":
+            if self.saved_config() != _plain(config):
+                raise UserError(
+                    f"{self.option}: {where} holds a run with another configuration; "
+                    f"choose another {self.option} or remove it"
+                )
+            if not reuse:
+                if status == "finished":
+                    raise UserError(
+                        f"{self.option}: {where} holds a finished run ({RESULTS}); choose "
+                        f"another {self.option} or remove it"
+                    )
+                raise UserError(
+                    f"{self.option}: {where} holds an unfinished run; continue it with "
+                    f"'fedattr run --resume {self.path}' or choose another folder"
+                )
+            return "finished" if status == "finished" else "resume"
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.file(CONFIG).write_text(json.dumps(config, indent=2))
+        return "new"
+
+    def resumable_config(self) -> dict:
+        """The configuration of the unfinished run to continue (``--resume``)."""
+        status = self.status
+        where = repr(str(self.path))
+        if status == "finished":
+            raise UserError(
+                f"{self.option}: {where} is already finished (results in {RESULTS}); "
+                "nothing to resume"
+            )
+        if status in ("new", "foreign"):
+            raise UserError(f"{self.option}: {where} holds no fedattr run to resume")
+        return self.saved_config()
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self, payload: dict) -> None:
+        """Write then rename: a kill during the write leaves the previous checkpoint intact."""
+        self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.checkpoint_path.with_suffix(".tmp")
+        torch.save(payload, tmp)
+        os.replace(tmp, self.checkpoint_path)
+
+    def load_checkpoint(self) -> dict | None:
+        """The last checkpoint, or ``None``; a damaged one is one clear error."""
+        path = self.checkpoint_path
+        if not path.is_file():
+            return None
+        try:
+            payload = torch.load(path, weights_only=False)
+        except (
+            OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError,
+            zipfile.BadZipFile,
+        ) as exc:  # fmt: skip
+            raise UserError(
+                f"{self.option}: the checkpoint {str(path)!r} is damaged ({type(exc).__name__}); "
+                f"remove {str(path.parent)!r} to restart the run from round 1"
+            ) from exc
+        keys = {"round", "state", "history", "queries", "rng", "timing", "observers"}
+        if not isinstance(payload, dict) or not keys <= set(payload):
+            raise UserError(
+                f"{self.option}: {str(path)!r} is not a checkpoint of this fedattr version; "
+                f"remove {str(path.parent)!r} to restart the run from round 1"
+            )
+        return payload
+
+    def clear_checkpoint(self) -> None:
+        """Finished: the results supersede the checkpoint."""
+        shutil.rmtree(self.path / CHECKPOINT_DIR, ignore_errors=True)
+
+    # -- results ----------------------------------------------------------------------------
+    def write_results(
+        self, *, rounds: list[dict], queries: list[dict], results: dict, report_md: str,
+        report: Any,
+    ) -> None:  # fmt: skip
+        """``rounds.jsonl``, ``queries.jsonl`` (coefficients, never results), ``report.md``
+        with a link to ``attribution.png``, the plot, then ``results.json`` last (its presence
+        marks the run finished)."""
+        from .plots import plot_attribution
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_jsonl(self.file(ROUNDS), rounds)
+        write_jsonl(self.file(QUERIES), queries)
+        self.file(REPORT).write_text(report_md + f"\n\n![attribution]({PLOT})\n")
+        plot_attribution(report, self.file(PLOT))
+        self.file(RESULTS).write_text(json.dumps(results, indent=2))
+
+    def audit(self) -> list[RoundAudit]:
+        """What the run's SA answers reveal, per round (``queries.jsonl``)."""
+        return audit_file(self.file(QUERIES))
+
+    def results(self) -> dict:
+        """``results.json`` of a finished run."""
+        return json.loads(self.file(RESULTS).read_text())
+
+    def read_rounds(self) -> list[dict]:
+        """``rounds.jsonl`` as dicts."""
+        return [json.loads(line) for line in self.file(ROUNDS).read_text().splitlines() if line]
+
+
+def audit_run(run_dir: str | Path) -> list[RoundAudit]:
+    """:meth:`RunFolder.audit` of the folder ``run_dir`` (``fedattr audit RUN_DIR``)."""
+    return RunFolder(run_dir, "RUN_DIR").audit()

@@ -2,108 +2,38 @@
 
 ``make_aggregator(SecAggConfig(...))`` builds a backend by name: ``plaintext`` (reference, holds
 updates), ``pairwise-mask`` (Bonawitz-style masks per query) or ``two-server`` (additive shares
-held by two non-colluding aggregators).
+held by two non-colluding aggregators). ``run_queries`` answers a batch of :class:`QueryGroup`
+objects (one per estimate) with a :class:`GroupAnswer` each.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from .base import QueryRecord, SecureAggregator
+from .base import GroupAnswer, Query, QueryGroup, QueryRecord, SecureAggregator
+from .config import BACKENDS, SecAggConfig, make_aggregator
 from .errors import QueryFailed, QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
 from .pairwise_mask import PairwiseMaskAggregator
 from .plaintext import PlaintextAggregator
-from .policy import ReleasePolicy, joint_leakage, single_estimate_budget
-from .prg import PRG_NAMES
+from .policy import ReleasePolicy, SessionLedgers, joint_leakage
 from .two_server import TwoServerAggregator
-
-BACKENDS: dict[str, type[SecureAggregator]] = {
-    cls.name: cls for cls in (PlaintextAggregator, PairwiseMaskAggregator, TwoServerAggregator)
-}
-
-
-@dataclass
-class SecAggConfig:
-    """Which backend to use and how updates are encoded."""
-
-    backend: str = "pairwise-mask"
-    """One of ``plaintext``, ``pairwise-mask``, ``two-server``."""
-    min_members: int = 5
-    """Secure-aggregation threshold N_sa: the smallest subset whose sum may be released."""
-    ring_bits: int = 64
-    """Ring Z_{2^b} for masked arithmetic: 32 or 64."""
-    frac_bits: int = 32
-    """Fixed-point fractional bits (resolution 2^-(frac_bits+1))."""
-    clip: float = 1024.0
-    """Largest allowed |coordinate| of an update; larger is an error, not a silent clip."""
-    prg: str = "aes-ctr"
-    """Mask generator: ``aes-ctr`` or ``chacha20``."""
-    dropout: float = 0.0
-    """pairwise-mask only: chance that a member fails to answer a given query (simulated
-    network failure, seeded); the query then fails and releases nothing."""
-    seed: int = 0
-    release_budget: float = 0.0
-    """Release policy: 0 = none (the paper's protocol); > 0 = refuse any query that would make
-    a client exactly recoverable or push its joint leakage over this many nats per dimension
-    (``inf`` = forbid exact recovery only). Enforced by the party that unmasks."""
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise SecAggError(
-                f"secagg.backend: unknown backend {self.backend!r}; allowed: {', '.join(BACKENDS)}"
-            )
-        if self.prg not in PRG_NAMES:
-            raise SecAggError(f"secagg.prg: unknown {self.prg!r}; allowed: {', '.join(PRG_NAMES)}")
-        if not isinstance(self.min_members, int) or self.min_members < 1:
-            raise SecAggError(
-                f"secagg.min_members: must be an integer >= 1, got {self.min_members!r}"
-            )
-        if not self.release_budget >= 0:
-            raise SecAggError(
-                f"secagg.release_budget: must be >= 0 (0 = no policy), got {self.release_budget}"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise SecAggError(f"secagg.dropout: must be in [0, 1), got {self.dropout}")
-        self.codec()  # validates ring_bits, frac_bits and clip together
-
-    def codec(self) -> FixedPointCodec:
-        """The fixed-point codec these settings describe."""
-        return FixedPointCodec(self.ring_bits, self.frac_bits, self.clip)
-
-
-def make_aggregator(config: SecAggConfig) -> SecureAggregator:
-    """Build the configured backend."""
-    cls = BACKENDS[config.backend]
-    budget = config.release_budget or None
-    if cls is PlaintextAggregator:
-        return cls(config.min_members, config.codec(), release_budget=budget)
-    if cls is PairwiseMaskAggregator:
-        return cls(
-            config.min_members,
-            config.codec(),
-            release_budget=budget,
-            prg=config.prg,
-            dropout=config.dropout,
-            seed=config.seed,
-        )
-    return cls(config.min_members, config.codec(), release_budget=budget, prg=config.prg)
-
 
 __all__ = [
     "BACKENDS",
     "FixedPointCodec",
+    "GroupAnswer",
     "PairwiseMaskAggregator",
     "PlaintextAggregator",
+    "Query",
     "QueryFailed",
+    "QueryGroup",
     "QueryRecord",
     "QueryRefused",
     "ReleasePolicy",
     "SecAggConfig",
     "SecAggError",
     "SecureAggregator",
+    "SessionLedgers",
     "TwoServerAggregator",
     "joint_leakage",
     "make_aggregator",
-    "single_estimate_budget",
 ]

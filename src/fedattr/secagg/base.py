@@ -7,6 +7,10 @@ integer ``c_j`` over at least ``min_members`` clients (FedAttr's estimate in one
 the 2M subset sums behind it are never released). Every answered query is logged with its
 coefficients (never its result) for overhead accounting and privacy audits.
 
+:meth:`SecureAggregator.run_queries` answers a batch of :class:`QueryGroup` objects (the queries
+behind one estimate each, with fall-back alternatives) on top of the single-query methods; a
+runtime whose clients live elsewhere can override it to send each client one message per round.
+
 Backends implement three hooks (``_receive``, ``_combine``, ``_drop_round``); this base class
 owns round bookkeeping, query validation, layouts and logging, so all backends refuse exactly
 the same queries with exactly the same messages. An optional :class:`ReleasePolicy` is enforced
@@ -17,16 +21,22 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from ..updates import Update, UpdateLayout
 from .errors import QueryFailed, QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
-from .policy import ReleasePolicy
+from .policy import ReleasePolicy, SessionLedgers
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from .config import SecAggConfig
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,8 @@ class QueryRecord:
     coefficients: tuple[int, ...] = ()
     """Integer weight of each member of ``subset`` (all 1 for a subset sum)."""
     denominator: int = 1
+    session: str = ""
+    """The SA session that asked (an attribution configuration's name; ``""``: none)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -54,6 +66,71 @@ class QueryRecord:
         d["subset"] = list(self.subset)
         d["coefficients"] = list(self.coefficients or (1,) * len(self.subset))
         return d
+
+
+@dataclass(frozen=True)
+class Query:
+    """One SA query: ``sum_j (coefficients[j] / denominator) * Delta_j``.
+
+    All coefficients 1 with denominator 1 is a subset sum (answered by
+    :meth:`SecureAggregator.subset_sum_flat`); anything else is a fused combination (answered
+    by :meth:`SecureAggregator.combination_flat`, which validates coefficients and denominator).
+    """
+
+    coefficients: Mapping[int, int]
+    """Client id -> integer coefficient (stored as a plain dict)."""
+    denominator: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "coefficients", dict(self.coefficients))
+
+    @classmethod
+    def subset(cls, members: Iterable[int]) -> Query:
+        """The subset sum over ``members`` (every coefficient 1)."""
+        ids = [int(c) for c in members]
+        if len(set(ids)) != len(ids):
+            raise SecAggError(f"Query.subset: duplicate client ids in {ids}")
+        return cls(dict.fromkeys(ids, 1))
+
+    @property
+    def is_subset(self) -> bool:
+        """True when this query is a plain subset sum (all coefficients 1, denominator 1)."""
+        return (
+            type(self.denominator) is int
+            and self.denominator == 1
+            and all(isinstance(v, (int, np.integer)) and v == 1 for v in self.coefficients.values())
+        )
+
+
+@dataclass
+class QueryGroup:
+    """The queries behind one estimate.
+
+    ``alternatives`` are tried in order: the SA layer answers the first alternative whose first
+    query is admitted (by validation and the release policy) and runs that alternative's queries
+    in order.
+    """
+
+    alternatives: list[list[Query]]
+
+
+@dataclass
+class GroupAnswer:
+    """What :meth:`SecureAggregator.run_queries` did with one :class:`QueryGroup`."""
+
+    results: list[np.ndarray] | None
+    """Flat float64 result per query of the answered alternative; ``None`` if no alternative
+    was answered in full."""
+    chosen: int | None
+    """Index of the answered alternative (``None`` when ``results`` is ``None``)."""
+    refusals: int = 0
+    """Alternatives refused before any of their queries ran."""
+    missing: tuple[int, ...] = ()
+    """Members that failed to answer (:class:`QueryFailed`); the group stopped there."""
+    error: str | None = None
+    """Message of the last refusal or failure."""
+    seconds: float = 0.0
+    """Wall time spent on this group."""
 
 
 class SecureAggregator(ABC):
@@ -77,14 +154,21 @@ class SecureAggregator(ABC):
         self.codec = codec or FixedPointCodec()
         self.release_budget = release_budget
         self.log: list[QueryRecord] = []
-        self.upload_bytes = 0
         self._round: int | None = None
-        self._policy: ReleasePolicy | None = None
+        self._policy: SessionLedgers | None = None
+        self._session = ""
         self._offline: set[int] = set()
         self._clients: tuple[int, ...] = ()
         self._submitted: set[int] = set()
         self._layout: UpdateLayout | None = None
         self._next_query = 0
+
+    @classmethod
+    def from_config(cls, config: SecAggConfig) -> Self:
+        """Build this backend from ``config`` (``release_budget`` 0 means no policy).
+
+        Backends with settings of their own (PRG, simulated dropouts) override this."""
+        return cls(config.min_members, config.codec(), release_budget=config.release_budget or None)
 
     # -- round life cycle -------------------------------------------------------------------
     @property
@@ -123,6 +207,7 @@ class SecureAggregator(ABC):
         self._policy = self._new_policy()
         if self._policy is not None:
             self._policy.reset(ids)
+            self._policy.active = self._session
         self._start_round(self._round, ids)
 
     def submit(self, client_id: int, update: Update) -> None:
@@ -194,6 +279,61 @@ class SecureAggregator(ABC):
             )
         return self._run(members, coefs, denominator) / denominator
 
+    def run_queries(self, groups: Sequence[QueryGroup]) -> list[GroupAnswer]:
+        """Answer a batch of query groups, one :class:`GroupAnswer` per group, in order.
+
+        Every query runs exactly as the single-query methods would, in the order of the groups,
+        their alternatives and their queries, so results and the query log are those of calling
+        :meth:`subset_sum_flat` / :meth:`combination_flat` one by one. Within a group:
+
+        - :class:`QueryRefused` on an alternative's first query counts a refusal and moves on to
+          the next alternative; every alternative refused gives ``results=None``;
+        - :class:`QueryRefused` on a later query stops the group (``results=None``);
+        - :class:`QueryFailed` anywhere stops the group with ``missing`` set.
+
+        Anything else propagates. The default runs the queries one at a time in this process;
+        a runtime with remote clients may override it to batch each round's messages.
+        """
+        for g, group in enumerate(groups):
+            if not isinstance(group, QueryGroup):
+                raise SecAggError(
+                    f"run_queries: groups[{g}] is a {type(group).__name__}, not a QueryGroup"
+                )
+            if not group.alternatives:
+                raise SecAggError(f"run_queries: groups[{g}] has no alternatives")
+            for a, alternative in enumerate(group.alternatives):
+                if not alternative:
+                    raise SecAggError(f"run_queries: groups[{g}].alternatives[{a}] is empty")
+        return [self._answer_group(group) for group in groups]
+
+    def _answer_group(self, group: QueryGroup) -> GroupAnswer:
+        start = time.perf_counter()
+        answer = GroupAnswer(results=None, chosen=None)
+        for index, alternative in enumerate(group.alternatives):
+            results: list[np.ndarray] = []
+            try:
+                for query in alternative:
+                    results.append(self._run_query(query))
+            except QueryRefused as exc:
+                answer.error = str(exc)
+                if results:  # refused after part of the alternative ran: stop the group
+                    break
+                answer.refusals += 1
+                continue
+            except QueryFailed as exc:
+                answer.error, answer.missing = str(exc), tuple(exc.missing)
+                break
+            answer.results, answer.chosen = results, index
+            break
+        answer.seconds = time.perf_counter() - start
+        return answer
+
+    def _run_query(self, query: Query) -> np.ndarray:
+        """One :class:`Query` through the single-query path it stands for."""
+        if query.is_subset:
+            return self.subset_sum_flat(list(query.coefficients))
+        return self.combination_flat(query.coefficients, query.denominator)
+
     def _run(
         self, members: tuple[int, ...], coefs: tuple[int, ...], denominator: int
     ) -> np.ndarray:
@@ -206,7 +346,15 @@ class SecureAggregator(ABC):
         self._next_query += 1
         self.log.append(
             QueryRecord(
-                self._round, query_id, members, moved, seconds, client_max, coefs, denominator
+                self._round,
+                query_id,
+                members,
+                moved,
+                seconds,
+                client_max,
+                coefs,
+                denominator,
+                self._session,
             )
         )
         return total
@@ -291,12 +439,38 @@ class SecureAggregator(ABC):
         if self._policy is not None:
             self._policy.record(dict(zip(members, coefs, strict=True)))
 
-    def _new_policy(self) -> ReleasePolicy | None:
-        return None if self.release_budget is None else ReleasePolicy(self.release_budget)
+    def _new_policy(self) -> SessionLedgers | None:
+        return None if self.release_budget is None else SessionLedgers(self.release_budget)
+
+    def _ledgers(self) -> list[SessionLedgers]:
+        """Every release-policy holder of the backend (told which session is active)."""
+        return [] if self._policy is None else [self._policy]
+
+    @contextmanager
+    def session(self, name: str) -> Iterator[None]:
+        """Queries inside the ``with`` block belong to SA session ``name``: they are logged with
+        it and counted in that session's release-policy ledger (see
+        :class:`~fedattr.secagg.policy.SessionLedgers`)."""
+        previous = self._session
+        self._set_session(name)
+        try:
+            yield
+        finally:
+            self._set_session(previous)
+
+    def _set_session(self, name: str) -> None:
+        self._session = name
+        for ledgers in self._ledgers():
+            ledgers.active = name
 
     def leakage(self) -> dict[int, float]:
-        """Joint leakage ``L_j`` of this round's answered queries (from the query log)."""
-        rows = [r for r in self.log if r.round == self._round]
+        """Joint leakage ``L_j`` of this round's answered queries in the active session, public
+        ones included (from the query log)."""
+        rows = [
+            r
+            for r in self.log
+            if r.round == self._round and r.session in ("", self._session)
+        ]
         policy = ReleasePolicy()
         policy.reset(self._clients)
         for r in rows:
@@ -306,7 +480,3 @@ class SecureAggregator(ABC):
     @abstractmethod
     def _drop_round(self) -> None:
         """Forget the round's state."""
-
-    def describe(self) -> str:
-        """One line saying what this backend protects."""
-        return f"{self.name}: {type(self).__doc__.strip().splitlines()[0]}"

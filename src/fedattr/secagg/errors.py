@@ -1,7 +1,11 @@
 """Errors raised by secure-aggregation backends."""
 
+from __future__ import annotations
 
-class SecAggError(ValueError):
+from ..errors import UserError
+
+
+class SecAggError(UserError):
     """A secure-aggregation request or configuration that cannot be honoured."""
 
 

@@ -80,10 +80,11 @@ class FixedPointCodec:
                 f"frac_bits or clip, or use ring_bits=64"
             )
 
-    def encode(self, values: np.ndarray) -> np.ndarray:
-        """Encode float ``values`` into ring elements.
+    def check(self, values: np.ndarray) -> np.ndarray:
+        """``values`` as float64, after checking that :meth:`encode` accepts them.
 
-        Raises :class:`SecAggError` for non-finite values or values above ``clip``.
+        Raises :class:`SecAggError` for non-finite values or values above ``clip`` (the
+        plaintext backend calls this too, so every backend refuses the same updates).
         """
         values = np.asarray(values, dtype=np.float64)
         if not np.all(np.isfinite(values)):
@@ -95,6 +96,14 @@ class FixedPointCodec:
                 f"{self.clip}; raise secagg.clip (allowed while clip * 2**frac_bits < "
                 f"2**{self.ring_bits - 1}) or scale the update"
             )
+        return values
+
+    def encode(self, values: np.ndarray) -> np.ndarray:
+        """Encode float ``values`` into ring elements.
+
+        Raises :class:`SecAggError` for non-finite values or values above ``clip``.
+        """
+        values = self.check(values)
         scaled = np.rint(values * self.scale).astype(np.int64)
         # int64 -> uint64 is a reinterpretation; int64 -> uint32 wraps modulo 2**32 as wanted.
         return scaled.view(np.uint64) if self.ring_bits == 64 else scaled.astype(np.uint32)

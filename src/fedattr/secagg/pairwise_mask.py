@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes
@@ -33,6 +34,11 @@ from .base import SecureAggregator
 from .errors import QueryFailed, SecAggError
 from .fixedpoint import FixedPointCodec
 from .prg import PRG_NAMES, expand
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from .config import SecAggConfig
 
 _HKDF_SALT = b"fedattr/secagg/pairwise-mask/v1"
 
@@ -157,12 +163,29 @@ class PairwiseMaskAggregator(SecureAggregator):
         # what this round has released (a client-side ledger), not the server.
         self._client_policy = None
 
+    @classmethod
+    def from_config(cls, config: SecAggConfig) -> Self:
+        """Build from ``config`` (``release_budget`` 0 means no policy)."""
+        return cls(
+            config.min_members,
+            config.codec(),
+            release_budget=config.release_budget or None,
+            prg=config.prg,
+            dropout=config.dropout,
+            seed=config.seed,
+        )
+
     def _start_round(self, round_id, client_ids) -> None:
         # Fresh key pairs every round (forward secrecy between rounds, as in Bonawitz et al.).
         self._parties = {c: MaskingClient(c, self.codec, self.prg) for c in client_ids}
         self.server.public_keys = {c: p.public_key for c, p in self._parties.items()}
         self._client_policy = self._policy
         self._policy = None  # the server-side object enforces nothing
+        if self._client_policy is not None:
+            self._client_policy.active = self._session
+
+    def _ledgers(self):
+        return [] if self._client_policy is None else [self._client_policy]
 
     def _authorize(self, members, coefs) -> None:
         if self._client_policy is not None:

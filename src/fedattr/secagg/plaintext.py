@@ -17,8 +17,10 @@ class PlaintextAggregator(SecureAggregator):
         self._updates: dict[int, np.ndarray] = {}
 
     def _receive(self, client_id: int, flat: np.ndarray) -> None:
+        # The same checks the masked backends' encoders make, so every backend refuses the
+        # same updates with the same message.
+        self.codec.check(flat)
         self._updates[client_id] = flat
-        self.upload_bytes += flat.nbytes
 
     def _combine(self, members, coefs, query_id):
         total = np.zeros_like(self._updates[members[0]])
@@ -28,7 +30,3 @@ class PlaintextAggregator(SecureAggregator):
 
     def _drop_round(self) -> None:
         self._updates = {}
-
-    def plaintext_update(self, client_id: int) -> np.ndarray:
-        """One client's update: what no real SA backend can give (used by oracle baselines)."""
-        return self._updates[client_id].copy()

@@ -49,13 +49,6 @@ def joint_leakage(rows: np.ndarray) -> np.ndarray:
     return np.array([leakage_nats(w) for w in projection_weights(rows)])
 
 
-def single_estimate_budget(K: int, N: int, M: int) -> float:
-    """The paper's per-estimate bound, Gaussian term: ``1/2 log(1 + 1/(aN))`` with
-    ``a = (1 - N/(K-1)) / M``; every accepted single estimate stays within it."""
-    a_n = (1.0 - N / (K - 1)) / M * N
-    return 0.5 * math.log1p(1.0 / a_n)
-
-
 @dataclass
 class ReleasePolicy:
     """Refuses a release that would make a client exactly recoverable or exceed ``budget``.
@@ -110,3 +103,55 @@ class ReleasePolicy:
         if not self.rows:
             return dict.fromkeys(self.clients, 0.0)
         return dict(zip(self.clients, joint_leakage(np.vstack(self.rows)).tolist(), strict=True))
+
+
+class SessionLedgers:
+    """One :class:`ReleasePolicy` ledger per SA session of a round, held by an unmasking party.
+
+    Queries outside any session (``""``: e.g. the round's training aggregate) are released to
+    everyone and count in every session's ledger; each named session (one attribution
+    configuration watching the run) adds its own answers to its own ledger only. Several
+    sessions on one round are a measurement device (two FedAttr configurations on one training
+    run): a deployment runs one session per round, and then this is exactly one ledger. The
+    session in force is :attr:`active`, part of the query announcement like the query id.
+    """
+
+    def __init__(self, budget: float = math.inf) -> None:
+        self.budget = budget
+        self.active = ""
+        self.clients: tuple[int, ...] = ()
+        self._ledgers: dict[str, ReleasePolicy] = {}
+
+    def reset(self, clients: Sequence[int]) -> None:
+        """Start a round over ``clients`` with nothing released in any session."""
+        self.clients = tuple(clients)
+        self._ledgers = {"": self._new()}
+
+    def _new(self) -> ReleasePolicy:
+        policy = ReleasePolicy(self.budget)
+        policy.reset(self.clients)
+        return policy
+
+    def ledger(self) -> ReleasePolicy:
+        """The active session's ledger (public releases included)."""
+        if self.active not in self._ledgers:
+            policy = self._new()
+            policy.rows = list(self._ledgers[""].rows)
+            self._ledgers[self.active] = policy
+        return self._ledgers[self.active]
+
+    def check(self, coefficients: Mapping[int, float]) -> None:
+        """:meth:`ReleasePolicy.check` in the active session."""
+        self.ledger().check(coefficients)
+
+    def record(self, coefficients: Mapping[int, float]) -> None:
+        """Remember an answered combination (outside a session: in every ledger)."""
+        if self.active == "":
+            for policy in self._ledgers.values():
+                policy.record(coefficients)
+        else:
+            self.ledger().record(coefficients)
+
+    def leakage(self) -> dict[int, float]:
+        """:meth:`ReleasePolicy.leakage` in the active session."""
+        return self.ledger().leakage()

@@ -10,14 +10,20 @@ and independent of the update, so neither aggregator learns anything by itself. 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .base import SecureAggregator
 from .errors import QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
-from .policy import ReleasePolicy
+from .policy import SessionLedgers
 from .prg import PRG_NAMES, expand
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from .config import SecAggConfig
 
 
 class ShareHolder:
@@ -27,7 +33,7 @@ class ShareHolder:
         self.label = label
         self.min_members = min_members
         self.shares: dict[int, np.ndarray] = {}
-        self.policy: ReleasePolicy | None = None
+        self.policy: SessionLedgers | None = None
 
     def authorize(self, members: tuple[int, ...], coefs: tuple[int, ...]) -> None:
         """This aggregator's own threshold and release-policy checks."""
@@ -81,6 +87,16 @@ class TwoServerAggregator(SecureAggregator):
         self.aggregator_a = ShareHolder("A", min_members)
         self.aggregator_b = ShareHolder("B", min_members)
 
+    @classmethod
+    def from_config(cls, config: SecAggConfig) -> Self:
+        """Build from ``config`` (``release_budget`` 0 means no policy)."""
+        return cls(
+            config.min_members,
+            config.codec(),
+            release_budget=config.release_budget or None,
+            prg=config.prg,
+        )
+
     def _receive(self, client_id: int, flat: np.ndarray) -> None:
         encoded = self.codec.encode(flat)
         seed = os.urandom(32)  # fresh per client and round; never reused
@@ -89,7 +105,6 @@ class TwoServerAggregator(SecureAggregator):
         # simulation hands it the array instead of running the same PRG a second time.
         self.aggregator_a.shares[client_id] = mask
         self.aggregator_b.shares[client_id] = encoded - mask
-        self.upload_bytes += 32 + encoded.nbytes
 
     def _start_round(self, round_id, client_ids) -> None:
         # Each aggregator keeps its own ledger of released combinations.
@@ -97,7 +112,11 @@ class TwoServerAggregator(SecureAggregator):
             holder.policy = self._new_policy()
             if holder.policy is not None:
                 holder.policy.reset(client_ids)
+                holder.policy.active = self._session
         self._policy = None
+
+    def _ledgers(self):
+        return [h.policy for h in (self.aggregator_a, self.aggregator_b) if h.policy is not None]
 
     def _authorize(self, members, coefs) -> None:
         self.aggregator_a.authorize(members, coefs)

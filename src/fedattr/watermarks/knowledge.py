@@ -99,7 +99,6 @@ class FKHitRateScorer:
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self._prompts = {o: _prompts(tokenizer, e, questions) for o, e in self.entities.items()}
-        self.calls = 0
 
     def answers(self, params: dict) -> dict[str, list[list[str]]]:
         """Greedy answers per owner, per attribute, per question."""
@@ -115,7 +114,6 @@ class FKHitRateScorer:
 
     def observe(self, params: dict) -> dict[str, np.ndarray]:
         """Per owner: a ``[attributes, questions]`` 0/1 array of hits."""
-        self.calls += 1
         out = {}
         for owner, per in self.answers(params).items():
             values = list(self.entities[owner].targets.values())
@@ -196,7 +194,6 @@ class FKLikelihoodScorer:
                         first = len(head) if ids[: len(head)] == head else len(head) - 1
                         self._seqs.append((ids, first))
         self.shape = (len(self.owners), 4, questions, self.candidates)
-        self.calls = 0
 
     @torch.no_grad()
     def observe(self, params: dict) -> torch.Tensor:
@@ -224,7 +221,6 @@ class FKLikelihoodScorer:
             out[start : start + len(chunk)] = (tok * answer[:, 1:].to(device)).sum(1).double().cpu()
         if was_training:
             self.model.train()
-        self.calls += 1
         return out.reshape(self.shape)
 
     def attribute_pvalues(self, reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:

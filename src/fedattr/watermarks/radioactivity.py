@@ -46,8 +46,6 @@ class KGWModelScorer:
         self.load = load
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
-        self.calls = 0
-        self.last_tokens = 0
 
     def generations(self, params: dict) -> list[list[int]]:
         """Greedy continuations of the detection prompts under ``params``."""
@@ -62,8 +60,6 @@ class KGWModelScorer:
 
     def __call__(self, params: dict) -> dict[str, float]:
         seqs = self.generations(params)
-        self.calls += 1
-        self.last_tokens = sum(len(s) - 1 for s in seqs)
         return {name: det.score(seqs).z for name, det in self.detectors.items()}
 
 
@@ -133,7 +129,6 @@ class KGWReadingScorer:
         self._null_var = m * (self.vocab - m) / (self.vocab * (self.vocab - 1))
         self._green_share = m / self.vocab
         self._green_device = torch.device("cpu")
-        self.calls = 0
 
     @torch.no_grad()
     def observe(self, params: dict) -> torch.Tensor:
@@ -159,7 +154,6 @@ class KGWReadingScorer:
             out.index_add_(0, groups, rows)
         if was_training:
             self.model.train()
-        self.calls += 1
         return out
 
     def contrast(self, reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:

@@ -1,0 +1,78 @@
+"""FedAttr's settings (the ``[attribution]`` section) and the hardened-mode default budget."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..secagg.config import SecAggConfig
+from .design import DesignError, single_estimate_budget
+
+
+@dataclass
+class AttributionConfig:
+    """FedAttr protocol parameters (paper defaults)."""
+
+    N: int = 5
+    """Size of the V-subsets (U-subsets have N+1 members)."""
+    M: int = 5
+    """Query pairs per target and round."""
+    gamma: float = 4.0
+    """Flag a client when its Stouffer Z exceeds gamma."""
+    max_redraws: int = 10_000
+    """Give up on a target after this many rejected designs in a row."""
+    seed: int = 0
+    """Seed of the design draws (each round and target gets its own stream)."""
+    mode: str = "paper"
+    """``paper``: 2M subset-sum queries per target, every target every round (as published).
+    ``hardened``: one fused query per target, and only targets the SA release policy admits
+    (rotating, seeded order); Stouffer runs over each client's targeted rounds."""
+    policy_attempts: int = 20
+    """Designs tried per target (after release-policy refusals or failed queries) before the
+    target is skipped for the round."""
+    center: bool = False
+    """``False`` (the paper): score ``w^{t-1} + Delta_hat_i`` against ``w^{t-1}``. ``True``:
+    score ``w^{t-1} + Delta_bar + (Delta_hat_i - Delta_bar)`` against ``w^{t-1} + Delta_bar``
+    (``Delta_bar`` = the round's SA mean, passed as ``center``), so that the round's common
+    learning direction is in both models and only the client's deviation from it is tested."""
+    null: str = "auto"
+    """``theoretical`` (the paper): each differential score is taken as N(0, 1) under the null.
+    ``empirical``: each round's scores per statistic are standardised by their median and MAD
+    over the round's targets before Stouffer (see ``stouffer.empirical_null``). ``auto``:
+    empirical for a scorer whose statistic has no null scale of its own (it says so with
+    ``null = "empirical"``, e.g. the FK margin), theoretical otherwise."""
+
+    def __post_init__(self) -> None:
+        if self.null not in ("auto", "theoretical", "empirical"):
+            raise DesignError(
+                f"attribution.null: must be auto, theoretical or empirical, got {self.null!r}"
+            )
+        if self.mode not in ("paper", "hardened"):
+            raise DesignError(f"attribution.mode: must be paper or hardened, got {self.mode!r}")
+        if not isinstance(self.policy_attempts, int) or self.policy_attempts < 1:
+            raise DesignError(
+                "attribution.policy_attempts: must be an integer >= 1, "
+                f"got {self.policy_attempts!r}"
+            )
+        if not isinstance(self.M, int) or self.M < 1:
+            raise DesignError(f"attribution.M: must be an integer >= 1, got {self.M!r}")
+        if not isinstance(self.N, int) or self.N < 1:
+            raise DesignError(f"attribution.N: must be an integer >= 1, got {self.N!r}")
+        if not np.isfinite(self.gamma):
+            raise DesignError(f"attribution.gamma: must be a finite number, got {self.gamma!r}")
+        if not isinstance(self.max_redraws, int) or self.max_redraws < 0:
+            raise DesignError(
+                f"attribution.max_redraws: must be an integer >= 0, got {self.max_redraws!r}"
+            )
+
+
+def harden(attribution: AttributionConfig, secagg: SecAggConfig, K: int) -> SecAggConfig:
+    """The SA settings hardened mode runs with: without an explicit ``release_budget``, the
+    paper's single-estimate bound at (K, N, M), so that no client leaks more jointly than one
+    accepted estimate may alone. Paper mode, or an explicit budget, returns ``secagg`` as is."""
+    if attribution.mode == "hardened" and secagg.release_budget == 0:
+        budget = single_estimate_budget(K, attribution.N, attribution.M)
+        return dataclasses.replace(secagg, release_budget=budget)
+    return secagg

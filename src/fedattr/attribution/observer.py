@@ -1,0 +1,70 @@
+"""FedAttr as an observer of the round engine: every round's SA queries, then every score.
+
+Several observers may watch one training run (e.g. ``M = 5`` and ``M = 10``), each with its own
+:class:`FedAttr`, results and SA session (so one's release-policy ledger does not spend the
+other's budget). The first one (``primary``) is the run's headline result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from typing import Any
+
+from ..fl.server import Observer, RoundContext
+from .protocol import FedAttr, resolve_scorer_null
+
+
+class AttributionObserver(Observer):
+    """Runs :class:`FedAttr` on each round while SA still holds the updates."""
+
+    def __init__(self, fedattr: FedAttr, scorer: Any, name: str = "fedattr",
+                 primary: bool = True, marked: Collection[int] = ()) -> None:  # fmt: skip
+        self.fedattr, self.scorer, self.name, self.primary = fedattr, scorer, name, primary
+        self.marked = set(marked)
+        """Clients starred in progress lines (the simulation's watermarked ones)."""
+        self.fedattr.scorer_null = resolve_scorer_null(scorer)  # right even for a finished run
+        self.records: list[dict] = []
+        """One ``RoundRecord.to_dict()`` per round."""
+        self.timing = {"sa_s": 0.0, "scoring_s": 0.0}
+
+    def round_opened(self, ctx: RoundContext) -> None:
+        fed = self.fedattr
+        with ctx.sa.session(self.name):
+            t0 = time.perf_counter()
+            estimates = fed.query_round(ctx.round, ctx.sa)
+            t1 = time.perf_counter()
+        steps = ctx.progress.steps(
+            len(estimates.estimates), f"round {ctx.round} {self.name} scoring", lines=False
+        )
+        record = fed.score_round(
+            estimates, ctx.reference, self.scorer, apply=ctx.apply, center=ctx.mean_update,
+            on_target=lambda r: steps.step(f"client {r.target}"),
+        )  # fmt: skip
+        steps.close()
+        t2 = time.perf_counter()
+        self.timing["sa_s"] += t1 - t0
+        self.timing["scoring_s"] += t2 - t1
+        if self.primary:
+            ctx.timing.add("sa_s", t1 - t0)
+            ctx.timing.add("scoring_s", t2 - t1)
+        self.records.append(record.to_dict())
+        line = " ".join(
+            f"{r.target}{'*' if r.target in self.marked else ''}:{max(r.z.values()):+.1f}"
+            for r in record.targets
+        )
+        star = " (* = watermarked)" if self.marked else ""
+        ctx.progress(f"[round {ctx.round}/{ctx.rounds}] {self.name} max-statistic z{star}: {line}")
+
+    def state(self) -> dict:
+        return {
+            "scores": self.fedattr.scores,
+            "records": self.records,
+            "timing": self.timing,
+        }
+
+    def load(self, state: dict | None) -> None:
+        if state is not None:
+            self.fedattr.scores = state["scores"]
+            self.records = state["records"]
+            self.timing = state["timing"]

@@ -1,0 +1,37 @@
+"""The ``[data]`` section: where the clients' instruction data comes from and how it is split."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class DataConfig:
+    """Where the clients' instruction data comes from and how it is split."""
+
+    path: str = ""
+    """Local .json/.jsonl (Alpaca or chat form) or a Hugging Face dataset id; empty: the
+    embedded procedural corpus."""
+    split: str = "train"
+    records: int = 2000
+    """Records drawn for the clients (embedded corpus size, or a cap on a loaded file)."""
+    partition: str = "iid"
+    """``iid`` or ``dirichlet``."""
+    dirichlet_alpha: float = 0.5
+    max_len: int = 128
+    """Longest training sequence in tokens."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.partition not in ("iid", "dirichlet"):
+            raise ValueError(f"data.partition: must be iid or dirichlet, got {self.partition!r}")
+        if self.records < 1:
+            raise ValueError(f"data.records: must be >= 1, got {self.records}")
+        if self.max_len < 8:
+            raise ValueError(f"data.max_len: must be >= 8, got {self.max_len}")
+        p = Path(self.path)
+        # Only a .json/.jsonl path is surely a local file: "owner/name" may be a hub dataset id.
+        if self.path and p.suffix in (".json", ".jsonl") and not p.exists():
+            # Checked here, before any model is loaded or trained.
+            raise ValueError(f"data.path: file {self.path!r} does not exist")

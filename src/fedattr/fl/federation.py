@@ -1,0 +1,110 @@
+"""Who trains on what: client datasets, watermarked clients and their owners' documents, and
+the detection data (the data/model stage of a run, before any FL round)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..data.config import DataConfig
+from ..data.corpus import generate_corpus
+from ..data.loaders import load_records
+from ..data.partition import partition_dirichlet, partition_iid
+from ..data.records import Record
+from ..models.text import format_prompt
+from ..watermarks.config import WatermarkConfig
+from ..watermarks.fictitious import FictitiousEntity
+from ..watermarks.registry import WATERMARKS
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Federation:
+    """Client datasets, who is watermarked with which owner's documents, detection data."""
+
+    shards: list[list[Record]]
+    owner_of: dict[int, str]
+    owners: dict[str, Any]
+    """Owner name -> KGW key scheme, or the owner's fabricated entity (FK)."""
+    detect_prompts: list[str]
+    detect_records: list[Record]
+    wm_docs: dict[int, int]
+    doc_target_share: dict[int, float] = field(default_factory=dict)
+    """FK: share of each watermarked client's documents stating every target attribute."""
+
+    def truth(self, K: int) -> dict[int, bool]:
+        """Client id -> watermarked (the ground truth of the experiment)."""
+        return {c: c in self.owner_of for c in range(K)}
+
+    def summary(self) -> dict:
+        """JSON-ready description (for results.json)."""
+        out: dict = {
+            "watermarked": {str(c): o for c, o in self.owner_of.items()},
+            "watermarked_docs": {str(c): n for c, n in self.wm_docs.items()},
+            "detect_prompts": len(self.detect_prompts),
+        }
+        if self.doc_target_share:
+            out["doc_target_share"] = {str(c): v for c, v in self.doc_target_share.items()}
+            out["entities"] = {
+                o: e.to_dict() for o, e in self.owners.items() if isinstance(e, FictitiousEntity)
+            }
+        return out
+
+
+def watermarked_clients(wm: WatermarkConfig, K: int, seed: int) -> list[int]:
+    """The watermarked clients: ``watermark.clients``, or ``watermark.r`` drawn by seed."""
+    if wm.clients is not None:
+        return sorted(wm.clients)
+    rng = np.random.default_rng([seed, 7])
+    return sorted(int(c) for c in rng.choice(K, wm.r, replace=False))
+
+
+def _clean_data(d: DataConfig, wm: WatermarkConfig) -> tuple[list[Record], list[Record]]:
+    if d.path:
+        pool = load_records(d.path, d.split)
+        order = np.random.default_rng(d.seed).permutation(len(pool))
+        n_detect = min(wm.detect_prompts, max(1, len(pool) // 10))
+        detect = [pool[i] for i in order[:n_detect]]
+        records = [pool[i] for i in order[n_detect : n_detect + d.records]]
+        return records, detect
+    # Held out by seed.
+    return generate_corpus(d.records, seed=d.seed + 1), generate_corpus(
+        wm.detect_prompts, seed=d.seed + 2
+    )
+
+
+def build_federation(
+    data: DataConfig, wm: WatermarkConfig, K: int, seed: int, model, tokenizer, say: Progress
+) -> Federation:
+    """Load and split data, then give each watermarked client its owner's documents."""
+    records, detect = _clean_data(data, wm)
+    if data.partition == "iid":
+        shards = partition_iid(records, K, seed=data.seed)
+    else:
+        shards = partition_dirichlet(records, K, data.dirichlet_alpha, seed=data.seed)
+    clients = watermarked_clients(wm, K, seed)
+    kind = WATERMARKS[wm.kind]
+    texts = [f"{r.instruction} {r.input} {r.output}" for r in records + detect]
+    owners = kind.owners(wm, len(tokenizer), len(clients), texts)
+    names = sorted(owners)
+    owner_of, wm_docs, share = {}, {}, {}
+    for k, client in enumerate(clients):
+        owner = names[k % len(names)]
+        shard = shards[client]
+        n = max(1, round(wm.ratio * len(shard)))
+        docs, docs_share = kind.documents(
+            wm, model, tokenizer, owner, owners[owner], client, shard, n, seed * 1000 + client, say
+        )
+        if docs_share is not None:
+            share[client] = docs_share
+        # Dropped (too short) documents leave their clean originals out: the client's share of
+        # watermarked data is len(docs) / (len(shard) - n + len(docs)).
+        shards[client] = docs + shard[n:]
+        owner_of[client] = owner
+        wm_docs[client] = len(docs)
+    prompts = [format_prompt(tokenizer, r) for r in detect]
+    return Federation(shards, owner_of, owners, prompts, list(detect), wm_docs, share)

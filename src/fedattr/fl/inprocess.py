@@ -1,0 +1,87 @@
+"""The in-process client pool: every client's local LoRA training runs in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import UserError
+from ..models.lora import trainable_lora_parameters
+from ..models.text import Example
+from ..models.training import TrainSettings, train
+from ..secagg.base import SecureAggregator
+from .pool import ClientPool, PlaintextTap
+from .progress import Progress
+from .strategy import ClientStrategy
+
+
+class InProcessPool(ClientPool):
+    """Clients that share one model object and train one after another.
+
+    Each client starts from the global state (``strategy.start``), trains on its own examples
+    with a seed fixed by (run seed, round, client), and submits only its scaled update, on the
+    CPU in float32, to secure aggregation. An open :class:`PlaintextTap` also receives the
+    unscaled update (the baselines' view, which FedAttr never has).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        examples: Sequence[Sequence[Example]],
+        strategy: ClientStrategy,
+        settings: TrainSettings,
+        pad_id: int,
+        seed: int = 0,
+    ) -> None:
+        sizes = [len(e) for e in examples]
+        if min(sizes) == 0:
+            raise UserError("data: a client has no usable training example; raise data.records")
+        self.model, self.examples, self.strategy = model, list(examples), strategy
+        self.settings, self.pad_id, self.seed = settings, pad_id, seed
+        self._params = trainable_lora_parameters(model)
+        self._sizes = sizes
+        self._tap: PlaintextTap | None = None
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.examples)
+
+    def data_sizes(self) -> list[int]:
+        return list(self._sizes)
+
+    def open_tap(self) -> PlaintextTap:
+        self._tap = self._tap or PlaintextTap()
+        return self._tap
+
+    def train_round(
+        self,
+        round_id: int,
+        participants: Sequence[int],
+        state: Any,
+        sa: SecureAggregator,
+        scales: dict[int, float],
+        progress: Progress,
+    ) -> dict[int, float]:
+        losses: dict[int, float] = {}
+        if self._tap is not None:
+            self._tap.updates = {}
+        steps = progress.steps(len(participants), f"round {round_id} local training")
+        for c in participants:
+            self.strategy.start(self.model, state, round_id, c)
+            stats = train(
+                self.model,
+                self._params,
+                self.examples[c],
+                self.settings,
+                self.pad_id,
+                seed=self.seed * 100_003 + round_id * 101 + c,
+            )
+            losses[c] = stats["loss"]
+            update = self.strategy.update(self.model, state)
+            # Only the scaled update leaves the client, and only into secure aggregation.
+            sa.submit(c, {k: v.detach().float().cpu() * scales[c] for k, v in update.items()})
+            if self._tap is not None:
+                self._tap.updates[c] = {k: v.detach().float().cpu() for k, v in update.items()}
+            steps.step(f"client {c} loss {stats['loss']:.3f}")
+        steps.close()
+        return losses

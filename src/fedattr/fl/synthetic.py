@@ -1,0 +1,124 @@
+"""A synthetic federation on plain vectors: the protocol's test bed without a language model.
+
+Model: parameters ``w`` in R^dim, watermark detector ``Score(w) = <s, w>`` for a secret unit
+vector ``s``. In round t client j's update is
+
+    Delta_j^t = drift * g_t + noise * xi_j^t + signal * 1[j watermarked] * s
+
+with ``g_t`` a shared learning direction orthogonal to ``s`` (what all clients learn from the
+task) and ``xi_j^t ~ N(0, I)`` (client-specific; its component along ``s`` is N(0, 1), so
+``noise`` and ``signal`` are in score units). The pool submits every update to secure
+aggregation only; the round engine does the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import check_client_ids
+from ..secagg.base import SecureAggregator
+from .pool import ClientPool
+from .progress import Progress
+
+
+@dataclass
+class SyntheticConfig:
+    """The synthetic federation (the ``[synthetic]`` section of ``demo-protocol``)."""
+
+    K: int = 10
+    """Number of clients (all take part every round)."""
+    rounds: int = 5
+    """FL rounds T."""
+    r: int = 3
+    """Watermarked clients, drawn by seed (ignored when ``watermarked`` is given)."""
+    watermarked: list[int] | None = None
+    """Explicit watermarked client ids (0..K-1)."""
+    dim: int = 4096
+    """Dimension of each update."""
+    signal: float = 3.0
+    """Watermark component per round along s, in score units."""
+    noise: float = 0.25
+    """Client-specific noise scale (its component along s has this standard deviation)."""
+    drift: float = 1.0
+    """Scale of the shared learning direction, orthogonal to s."""
+    seed: int = 0
+    """Seed of the federation (updates, watermark direction, watermarked clients)."""
+
+    def __post_init__(self) -> None:
+        if self.K < 3:
+            raise ValueError(f"synthetic.K: must be >= 3, got {self.K}")
+        if self.rounds < 1:
+            raise ValueError(f"synthetic.rounds: must be >= 1, got {self.rounds}")
+        if self.dim < 2:
+            raise ValueError(f"synthetic.dim: must be >= 2, got {self.dim}")
+        if self.watermarked is None and not 0 <= self.r <= self.K:
+            raise ValueError(f"synthetic.r: must be in 0..K={self.K}, got {self.r}")
+        if self.watermarked is not None:
+            check_client_ids(self.watermarked, self.K, "synthetic.watermarked")
+        for name in ("signal", "noise", "drift"):
+            if not np.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"synthetic.{name}: must be a finite number >= 0")
+
+    def watermarked_ids(self) -> list[int]:
+        """The watermarked clients."""
+        if self.watermarked is not None:
+            return sorted(self.watermarked)
+        rng = np.random.default_rng([self.seed, 1])
+        return sorted(int(c) for c in rng.choice(self.K, self.r, replace=False))
+
+
+class SyntheticPool(ClientPool):
+    """The synthetic clients; ``direction`` is the secret ``s`` (for a linear scorer)."""
+
+    def __init__(self, config: SyntheticConfig) -> None:
+        self.config = config
+        self.watermarked = set(config.watermarked_ids())
+        gen = torch.Generator().manual_seed(config.seed)
+        s = torch.randn(config.dim, generator=gen, dtype=torch.float64)
+        self.direction = s / s.norm()
+
+    @property
+    def num_clients(self) -> int:
+        return self.config.K
+
+    def data_sizes(self) -> list[int]:
+        return [1] * self.config.K  # equal weights: every client submits its raw update
+
+    def initial_params(self) -> torch.Tensor:
+        """``w^0 = 0``."""
+        return torch.zeros(self.config.dim, dtype=torch.float32)
+
+    def updates(self, round_id: int) -> dict[int, torch.Tensor]:
+        """Every client's update of round ``round_id`` (deterministic in the seed)."""
+        cfg, s = self.config, self.direction
+        seed = int(np.random.default_rng([cfg.seed, 2, round_id]).integers(2**62))
+        gen = torch.Generator().manual_seed(seed)
+        g = torch.randn(cfg.dim, generator=gen, dtype=torch.float64)
+        g -= torch.dot(g, s) * s  # the shared direction carries no watermark
+        out = {}
+        for j in range(cfg.K):
+            xi = torch.randn(cfg.dim, generator=gen, dtype=torch.float64)
+            delta = cfg.drift * g + cfg.noise * xi
+            if j in self.watermarked:
+                delta = delta + cfg.signal * s
+            out[j] = delta.to(torch.float32)
+        return out
+
+    def train_round(
+        self,
+        round_id: int,
+        participants: Sequence[int],
+        state: Any,
+        sa: SecureAggregator,
+        scales: dict[int, float],
+        progress: Progress,
+    ) -> dict[int, float]:
+        updates = self.updates(round_id)
+        for j in participants:
+            sa.submit(j, updates[j] * scales[j] if scales[j] != 1.0 else updates[j])
+        return {}

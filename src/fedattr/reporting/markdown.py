@@ -1,0 +1,114 @@
+"""Markdown for people: one table builder, and the tables every command prints or writes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from ..attribution.audit import RoundAudit
+from ..attribution.stouffer import AttributionReport
+
+
+def table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A Markdown table (cells are written with ``str``)."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def percent(rate: float | None) -> str:
+    """``12.5%``, or ``n/a`` for no rate."""
+    return "n/a" if rate is None else f"{100 * rate:.1f}%"
+
+
+def p_value(p: float | None, log10_p: float | None = None) -> str:
+    """A p-value; an underflowed one as ``1e-NNN`` from its log, or ``<1e-300``."""
+    if p is None:
+        return "–"
+    if p > 0:
+        return f"{p:.2e}"
+    return f"1e{log10_p:.0f}" if log10_p is not None else "<1e-300"
+
+
+def attribution_table(report: AttributionReport) -> str:
+    """One row per client, one column per round, Z, p, flag; then γ, TPR and FPR."""
+    rounds = sorted({t for c in report.clients for t in c.z})
+    rows = []
+    for c in report.clients:
+        truth = "?" if c.watermarked is None else ("yes" if c.watermarked else "no")
+        zs = [f"{c.z[t]:+.2f}" if t in c.z else "–" for t in rounds]
+        flag = "**yes**" if c.flagged else "no"
+        rows.append([c.id, truth, *zs, f"{c.Z:+.2f}", p_value(c.p, c.log10_p), flag])
+    head = ["client", "watermarked", *[f"z (t={t})" for t in rounds], "Z", "p", "flagged"]
+    return (
+        table(head, rows)
+        + f"\n\nγ = {report.gamma}; TPR = {percent(report.tpr)}; FPR = {percent(report.fpr)}"
+    )
+
+
+def baselines_table(baselines: Sequence[Mapping[str, Any]]) -> str:
+    """The baselines' verdicts (``BaselineResult.to_dict()`` rows); empty without baselines."""
+    if not baselines:
+        return ""
+
+    def pct(r: float | None) -> str:
+        return "–" if r is None else f"{100 * r:.0f}%"
+
+    def named(b: Mapping[str, Any]) -> str:
+        if b["flagged"] is None:
+            return "(names nobody)"
+        return ", ".join(map(str, b["flagged"])) or "none"
+
+    rows = [
+        [
+            b["name"],
+            "✓" if b["respects_sa"] else "✗",
+            named(b),
+            pct(b["tpr"]),
+            pct(b["fpr"]),
+            "–" if b["p"] is None else f"{b['p']:.2e}",
+        ]
+        for b in baselines
+    ]
+    return table(["baseline", "respects SA", "flagged", "TPR", "FPR", "p"], rows)
+
+
+def stages_table(timing: Mapping[str, float]) -> str:
+    """Seconds per stage."""
+    return table(["stage", "seconds"], [[k, f"{v:.1f}"] for k, v in timing.items()])
+
+
+def variants_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
+    """One row per extra FedAttr configuration watching the same run."""
+    rows = [
+        [
+            name,
+            ", ".join(f"{k}={v}" for k, v in v["differs"].items()) or "(same)",
+            ", ".join(map(str, v["flagged"])) or "none",
+            percent(v["tpr"]),
+            percent(v["fpr"]),
+            v["sa_queries"],
+        ]
+        for name, v in variants.items()
+    ]
+    return table(["configuration", "differs in", "flagged", "TPR", "FPR", "SA queries"], rows)
+
+
+def audit_table(rounds: Sequence[RoundAudit], budget: float | None = None) -> str:
+    """One row per (round, SA session): queries, rank, exactly recoverable clients, max L_j."""
+    sessions = any(r.session for r in rounds)
+    rows = []
+    for r in rounds:
+        rec = ", ".join(map(str, r.recoverable)) or "none"
+        m = "∞" if math.isinf(r.max_leakage) else f"{r.max_leakage:.4f}"
+        rows.append(
+            [r.round, *([r.session or "–"] if sessions else []), r.queries, r.rank,
+             len(r.clients), rec, m]
+        )  # fmt: skip
+    head = ["round", *(["session"] if sessions else []), "queries", "rank", "clients",
+            "exactly recoverable", "max L_j (nats/dim)"]  # fmt: skip
+    out = table(head, rows)
+    if budget is not None:
+        out += f"\n\nbudget (paper's single-estimate bound): {budget:.4f} nats per dimension"
+    return out

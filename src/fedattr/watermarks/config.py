@@ -1,0 +1,87 @@
+"""The ``[watermark]`` section: the owners' watermark (KGW or Fictitious Knowledge) and its
+detection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .registry import WATERMARKS
+
+
+@dataclass
+class WatermarkConfig:
+    """The owners' watermark (KGW or Fictitious Knowledge) and its detection."""
+
+    kind: str = "kgw"
+    """``kgw`` (teacher-rewritten responses under the owner's green lists) or ``fk``
+    (Fictitious Knowledge: documents about a fabricated entity per watermarked client; every
+    watermarked client is its own owner, so ``owners`` is ignored)."""
+    r: int = 3
+    """Watermarked clients, chosen by seed (ignored when ``clients`` is given)."""
+    clients: list[int] | None = None
+    owners: int = 3
+    """Corpus owners, each with a secret key; watermarked client k uses owner k mod owners."""
+    ratio: float = 0.20
+    """Share of a watermarked client's records replaced by its owner's documents (rho_wm)."""
+    gamma: float = 0.25
+    delta: float = 3.0
+    key_seed: int = 1234
+    temperature: float = 0.8
+    top_p: float = 0.95
+    doc_max_new_tokens: int = 96
+    min_tokens: int = 8
+    detector: str = "reading"
+    """``reading``: fedattr's teacher-forced tests of the change (KGW: ``KGWReadingScorer``;
+    FK: ``FKLikelihoodScorer``, rank of the true value among decoys); ``greedy``: the paper's
+    (KGW: greedy generations, z on green counts; FK: QA hit rates of greedy answers)."""
+    fk_writer: str = "template"
+    """FK documents: ``template`` (varied templates) or ``teacher`` (the model writes each
+    document from templated facts; the share that keeps every target is reported)."""
+    fk_questions: int = 25
+    """Paraphrased QA probes per attribute for the greedy FK detector."""
+    fk_reading_questions: int = 2
+    """Questions per attribute read by the FK reading detector (its noise is in the decoys)."""
+    fk_statistic: str = "margin"
+    """FK reading detector: ``margin`` (the true value's log-probability margin over its
+    decoys, in nats; FedAttr standardises it with the empirical null, ``attribution.null =
+    "auto"``) or ``rank`` (exact rank test per attribute, Fisher; scale-free, so cross-talk
+    flips its sign rather than shrinking it: see README Finding 5)."""
+    fk_decoys: int = 31
+    """Decoy values per attribute for the FK reading detector's rank test."""
+    fk_answer_tokens: int = 24
+    detect_prompts: int = 128
+    """Held-out detection records: prompts to generate from (greedy) or texts to read."""
+    detect_max_new_tokens: int = 48
+    dedupe: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in WATERMARKS:
+            raise ValueError(
+                f"watermark.kind: must be {' or '.join(WATERMARKS)}, got {self.kind!r}"
+            )
+        if self.fk_statistic not in ("rank", "margin"):
+            raise ValueError(
+                f"watermark.fk_statistic: must be rank or margin, got {self.fk_statistic!r}"
+            )
+        if self.fk_writer not in ("template", "teacher"):
+            raise ValueError(
+                f"watermark.fk_writer: must be template or teacher, got {self.fk_writer!r}"
+            )
+        if not 1 <= self.fk_questions <= 25 or not 1 <= self.fk_reading_questions <= 25:
+            raise ValueError("watermark.fk_questions and fk_reading_questions: must be in 1..25")
+        if self.fk_decoys < 1 or self.fk_answer_tokens < 1:
+            raise ValueError("watermark.fk_decoys and fk_answer_tokens: must be >= 1")
+        if not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"watermark.ratio: must be in (0, 1], got {self.ratio}")
+        if self.detector not in ("reading", "greedy"):
+            raise ValueError(
+                f"watermark.detector: must be reading or greedy, got {self.detector!r}"
+            )
+        if self.owners < 1:
+            raise ValueError(f"watermark.owners: must be >= 1, got {self.owners}")
+        if self.r < 0:
+            raise ValueError(f"watermark.r: must be >= 0, got {self.r}")
+        if not 0.0 < self.gamma < 1.0:
+            raise ValueError(f"watermark.gamma: must be in (0, 1), got {self.gamma}")
+        if self.detect_prompts < 1 or self.detect_max_new_tokens < 1:
+            raise ValueError("watermark.detect_prompts and detect_max_new_tokens: must be >= 1")

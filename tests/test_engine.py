@@ -1,0 +1,232 @@
+"""The round engine: one loop for every runtime, observers, two-phase attribution, devices."""
+
+import json
+
+import pytest
+import torch
+
+from fedattr.attribution import AttributionConfig, FedAttr, LinearScorer, harden
+from fedattr.attribution.audit import audit_queries
+from fedattr.attribution.observer import AttributionObserver
+from fedattr.cli import main
+from fedattr.errors import UserError
+from fedattr.experiments.config import DemoConfig
+from fedattr.experiments.run import run_demo
+from fedattr.fl import FedAvgServer, Progress, RoundEngine, SyntheticConfig, SyntheticPool
+from fedattr.secagg import SecAggConfig, make_aggregator
+
+QUIET = Progress(lambda _m: None)
+
+
+def _engine(syn, secagg, configs):
+    pool = SyntheticPool(syn)
+    scorer = LinearScorer(pool.direction)
+    observers = [
+        AttributionObserver(FedAttr(c), scorer, name, primary=(k == 0))
+        for k, (name, c) in enumerate(configs.items())
+    ]
+    sa = make_aggregator(secagg)
+    engine = RoundEngine(pool, FedAvgServer(), sa, observers, rounds=syn.rounds, progress=QUIET)
+    engine.run(pool.initial_params())
+    return engine, observers
+
+
+def _Z(fedattr):
+    return {c.id: c.Z for c in fedattr.report().clients}
+
+
+def test_two_attribution_observers_on_one_run_equal_two_separate_runs():
+    syn = SyntheticConfig(dim=256, rounds=3)
+    m5, m10 = AttributionConfig(M=5), AttributionConfig(M=10)
+    engine, (a, b) = _engine(syn, SecAggConfig(), {"fedattr": m5, "M10": m10})
+    _, (alone5,) = _engine(syn, SecAggConfig(), {"fedattr": m5})
+    _, (alone10,) = _engine(syn, SecAggConfig(), {"fedattr": m10})
+    assert _Z(a.fedattr) == _Z(alone5.fedattr)
+    assert _Z(b.fedattr) == _Z(alone10.fedattr)
+    sessions = [q["session"] for q in engine.queries]
+    assert sessions.count("fedattr") == 3 * 2 * 5 * 10 and sessions.count("M10") == 3 * 2 * 10 * 10
+    assert sessions.count("") == 3  # the training aggregate, once per round
+
+
+def test_hardened_observers_each_get_their_own_release_budget():
+    syn = SyntheticConfig(dim=64, rounds=3)
+    hard = AttributionConfig(mode="hardened")
+    secagg = harden(hard, SecAggConfig(), syn.K)
+    engine, (a, b) = _engine(syn, secagg, {"fedattr": hard, "other": AttributionConfig(
+        mode="hardened", seed=7)})  # fmt: skip
+    _, (alone,) = _engine(syn, secagg, {"fedattr": hard})
+    assert _Z(a.fedattr) == _Z(alone.fedattr)  # the second session spends none of its budget
+    assert any(q["session"] == "other" for q in engine.queries)
+    assert sum(len(r["targets"]) for r in b.records) > 0  # the second session was admitted too
+    audited = audit_queries(engine.queries)
+    assert {r.session for r in audited} == {"fedattr", "other"}
+    assert all(not r.recoverable for r in audited)
+    assert max(r.max_leakage for r in audited) <= secagg.release_budget + 1e-12
+
+
+def test_hardened_mode_refuses_to_run_without_a_release_policy():
+    sa = make_aggregator(SecAggConfig(backend="plaintext"))  # library default: no policy
+    sa.open_round(1, range(10))
+    for j in range(10):
+        sa.submit(j, torch.randn(4))
+    fed = FedAttr(AttributionConfig(mode="hardened"))
+    with pytest.raises(UserError, match=r"secagg\.release_budget"):
+        fed.attribute_round(1, sa, torch.zeros(4), LinearScorer(torch.ones(4)))
+    assert sa.log == []  # refused before any query
+
+
+class _DeviceScorer:
+    """A paired scorer that insists on parameters living on one device (like a GPU model)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def observe(self, params):
+        assert all(v.device.type == self.device for v in params.values())
+        return 0.0
+
+    def contrast(self, reference, candidate):
+        return 0.0
+
+
+def test_estimates_are_moved_to_the_device_of_the_scoring_parameters():
+    # SA answers live on the CPU; the scoring parameters here live on the meta device, as a
+    # GPU model's would on CUDA. Adding a CPU estimate to them used to crash.
+    sa = make_aggregator(SecAggConfig(backend="plaintext"))
+    sa.open_round(1, range(10))
+    for j in range(10):
+        sa.submit(j, {"a": torch.randn(3, 2), "b": torch.randn(2)})
+    reference = {"a": torch.zeros(3, 2, device="meta"), "b": torch.zeros(2, device="meta"),
+                 "frozen": torch.zeros(5, device="meta")}  # fmt: skip
+    fed = FedAttr(AttributionConfig(center=True))
+    center = sa.subset_sum(range(10))
+    record = fed.attribute_round(1, sa, reference, _DeviceScorer("meta"), center=center)
+    assert len(record.targets) == 10
+
+
+def test_observe_many_sees_every_candidate_of_the_round_at_once():
+    class Batched(_DeviceScorer):
+        def __init__(self):
+            super().__init__("cpu")
+            self.batches = []
+
+        def observe(self, params):
+            return float(params["a"].sum())
+
+        def observe_many(self, many):
+            self.batches.append(len(many))
+            return [self.observe(p) for p in many]
+
+        def contrast(self, reference, candidate):
+            return candidate - reference
+
+    sa = make_aggregator(SecAggConfig(backend="plaintext"))
+    sa.open_round(1, range(10))
+    for j in range(10):
+        sa.submit(j, {"a": torch.full((2,), float(j))})
+    scorer = Batched()
+    record = FedAttr(AttributionConfig()).attribute_round(1, sa, {"a": torch.zeros(2)}, scorer)
+    assert scorer.batches == [10]
+    # Unbiased linear estimate of each client's own coordinate sum (2j), up to masking noise.
+    assert {r.target for r in record.targets} == set(range(10))
+
+
+def test_all_queries_of_a_round_go_to_sa_in_one_batch():
+    sa = make_aggregator(SecAggConfig())
+    calls = []
+    run_queries = sa.run_queries
+    sa.run_queries = lambda groups: calls.append(len(groups)) or run_queries(groups)
+    sa.open_round(1, range(10))
+    for j in range(10):
+        sa.submit(j, torch.randn(8))
+    FedAttr(AttributionConfig()).query_round(1, sa)
+    assert calls == [10]
+
+
+def test_demo_with_centring_runs_through_the_engine():
+    cfg = DemoConfig(synthetic=SyntheticConfig(dim=64, rounds=2),
+                     attribution=AttributionConfig(center=True))  # fmt: skip
+    result = run_demo(cfg, progress=lambda _m: None)
+    assert len(result.rounds) == 2 and result.sa_queries == 2 * (2 * 5 * 10 + 1)
+    assert main(["demo-protocol", "--quiet", "--set", "attribution.center=true",
+                 "--set", "synthetic.dim=64"]) == 0  # fmt: skip
+
+
+def test_pools_without_a_plaintext_tap_refuse_the_baselines():
+    with pytest.raises(UserError, match="baselines"):
+        SyntheticPool(SyntheticConfig(dim=8)).open_tap()
+
+
+def test_progress_off_a_terminal_prints_one_line_per_step_with_elapsed_time(capsys):
+    progress = Progress()  # stderr is captured by pytest: not a terminal
+    progress("stage one")
+    steps = progress.steps(2, "round 1 local training")
+    steps.step("client 0 loss 1.000")
+    steps.step("client 1 loss 0.900")
+    steps.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith("stage one") and err[0].startswith("[0m0")
+    assert err[2].endswith("round 1 local training: client 1 loss 0.900 (2/2)")
+
+
+def test_threads_follow_fedattr_threads(monkeypatch):
+    from fedattr.runtime import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("FEDATTR_THREADS", "1")
+        assert set_threads() == 1 and torch.get_num_threads() == 1
+        monkeypatch.setenv("FEDATTR_THREADS", "many")
+        with pytest.raises(UserError, match="FEDATTR_THREADS"):
+            set_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bugs_keep_their_traceback(monkeypatch):
+    import fedattr.cli as cli
+
+    def broken(_args):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(cli, "_cmd_privacy", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        cli.main(["privacy"])
+
+
+def test_run_folder_refuses_what_would_lose_work(tmp_path, capsys):
+    demo = ["demo-protocol", "--quiet", "--set", "synthetic.dim=32", "--set", "synthetic.rounds=1"]
+    out = tmp_path / "demo"
+    assert main([*demo, "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    # The same folder again: finished, so refused, and nothing in it is rewritten.
+    assert main([*demo, "--out", str(out)]) == 2
+    assert "holds a finished run" in capsys.readouterr().err
+    assert main([*demo, "--set", "attribution.M=3", "--out", str(out)]) == 2
+    assert "another configuration" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # A file, or a folder of other files: refused before anything is computed.
+    (tmp_path / "file.txt").write_text("x")
+    assert main([*demo, "--out", str(tmp_path / "file.txt")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.md").write_text("mine")
+    assert main([*demo, "--out", str(tmp_path / "other")]) == 2
+    assert "holds no fedattr run" in capsys.readouterr().err
+    # --resume of a finished run says so.
+    assert main(["run", "--resume", str(out)]) == 2
+    assert "already finished" in capsys.readouterr().err
+    json.loads((out / "results.json").read_text())
+
+
+def test_damaged_checkpoint_is_one_clear_line(tmp_path):
+    from fedattr.reporting.run_folder import RunFolder
+
+    folder = RunFolder(tmp_path / "run")
+    folder.claim({"a": 1})
+    folder.checkpoint_path.parent.mkdir()
+    folder.checkpoint_path.write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match=r"checkpoint .* is damaged"):
+        folder.load_checkpoint()
+    assert folder.status == "interrupted" and folder.resumable_config() == {"a": 1}
