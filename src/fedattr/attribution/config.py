@@ -15,6 +15,20 @@ from .design import DesignError, single_estimate_budget
 class AttributionConfig:
     """FedAttr protocol parameters (paper defaults)."""
 
+    statistic: str = "calibrated"
+    """``calibrated`` (default): p-values by key randomisation and a family-wise level
+    ``alpha`` (see :mod:`fedattr.attribution.calibrated`). ``paper``: the published statistic,
+    Stouffer over per-round scores read as N(0, 1) (or the empirical ``null``), flag ``Z > gamma``.
+    """
+    alpha: float = 0.01
+    """``calibrated``: family-wise level over clients x owners: a client is named when its
+    Bonferroni-adjusted p is below ``alpha / K``."""
+    null_keys: int = 200
+    """``calibrated``: fresh random keys the detector is also run with (never used to watermark
+    anything); the p-value's resolution by rank is ``1 / (null_keys + 1)``."""
+    decorrelate: bool = True
+    """``calibrated``: when every participant is a target of the round, undo cross-talk with the
+    known design matrix (each client's own statistic per key, from its estimates only)."""
     N: int = 5
     """Size of the V-subsets (U-subsets have N+1 members)."""
     M: int = 5
@@ -45,6 +59,16 @@ class AttributionConfig:
     ``null = "empirical"``, e.g. the FK margin), theoretical otherwise."""
 
     def __post_init__(self) -> None:
+        if self.statistic not in ("calibrated", "paper"):
+            raise DesignError(
+                f"attribution.statistic: must be calibrated or paper, got {self.statistic!r}"
+            )
+        if not 0.0 < self.alpha < 1.0:
+            raise DesignError(f"attribution.alpha: must be in (0, 1), got {self.alpha!r}")
+        if not isinstance(self.null_keys, int) or self.null_keys < 2:
+            raise DesignError(
+                f"attribution.null_keys: must be an integer >= 2, got {self.null_keys!r}"
+            )
         if self.null not in ("auto", "theoretical", "empirical"):
             raise DesignError(
                 f"attribution.null: must be auto, theoretical or empirical, got {self.null!r}"

@@ -58,13 +58,13 @@ class AttributionObserver(Observer):
 
     def state(self) -> dict:
         return {
-            "scores": self.fedattr.scores,
+            "fedattr": self.fedattr.state(),
             "records": self.records,
             "timing": self.timing,
         }
 
     def load(self, state: dict | None) -> None:
         if state is not None:
-            self.fedattr.scores = state["scores"]
+            self.fedattr.load(state["fedattr"])
             self.records = state["records"]
             self.timing = state["timing"]

@@ -20,6 +20,7 @@ from ..errors import UserError
 from ..secagg.base import QueryGroup, SecureAggregator
 from ..secagg.errors import QueryRefused
 from ..updates import UpdateLayout, add_update, scale_update
+from .calibrated import CalibratedNull, has_key_statistics
 from .config import AttributionConfig
 from .design import DesignError, QueryDesign, draw_design, validate_parameters
 from .estimator import combine_answers, design_queries
@@ -45,6 +46,9 @@ class TargetRecord:
     score_seconds: float
     fused: bool = False
     attempts: int = 1
+    effective_contexts: float | None = None
+    """Reading detectors: over how many contexts the change is spread (its normal tail is only
+    trustworthy when this is large; see ``RoundRecord.warnings``)."""
 
 
 @dataclass
@@ -59,10 +63,18 @@ class RoundRecord:
     """Targets not attributed this round (release policy refused, or the target dropped out)."""
     dropouts: list[int] = field(default_factory=list)
     """Clients that failed to answer an SA query this round (excluded from later designs)."""
+    decorrelated: bool | None = None
+    """Calibrated statistic: whether cross-talk was undone with the design matrix."""
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
         return asdict(self)
+
+
+MIN_EFFECTIVE_CONTEXTS = 30
+"""Below this many effective contexts a reading z's normal tail is 2x or more too light at
+z = 4 (measured by simulation; README *Finding 6*)."""
 
 
 @dataclass
@@ -112,11 +124,25 @@ class FedAttr:
         self.scores: dict[str, dict[int, dict[int, float]]] = {}
         self.scorer_null = "theoretical"
         """What the last scorer said about its null (``null`` attribute; see ``null``)."""
+        self.calibrated = CalibratedNull(self.config.alpha, self.config.decorrelate)
+        """The calibrated statistic's sums (``statistic = "calibrated"``)."""
 
     @property
     def null(self) -> str:
-        """The null in force: the configured one, or the scorer's under ``auto``."""
+        """The null in force: ``key-randomised`` for the calibrated statistic; for the paper's,
+        the configured one, or the scorer's under ``auto``."""
+        if self.config.statistic == "calibrated":
+            return "key-randomised"
         return self.scorer_null if self.config.null == "auto" else self.config.null
+
+    def state(self) -> dict:
+        """Everything accumulated so far (for checkpoints)."""
+        return {"scores": self.scores, "calibrated": self.calibrated.state()}
+
+    def load(self, state: Mapping) -> None:
+        """Restore :meth:`state`."""
+        self.scores = state["scores"]
+        self.calibrated.load(state["calibrated"])
 
     def attribute_round(
         self,
@@ -247,6 +273,9 @@ class FedAttr:
         self.scorer_null = resolve_scorer_null(scorer)
         apply = apply or add_update
         updates = [estimates.layout.unflatten(e.flat) for e in estimates.estimates]
+        if cfg.statistic == "calibrated":
+            return self._score_calibrated(estimates, updates, reference, scorer, apply, center,
+                                          on_target)  # fmt: skip
         if cfg.center:
             if center is None:
                 raise ValueError("attribution.center: needs the round's SA mean (center=...)")
@@ -272,27 +301,80 @@ class FedAttr:
             seconds = each if batched else time.perf_counter() - t1
             for stat, value in z.items():
                 self.scores.setdefault(stat, {}).setdefault(est.target, {})[estimates.round] = value
-            design = est.design
-            target_record = TargetRecord(
-                round=estimates.round,
-                target=est.target,
-                z=z,
-                c=design.stats.c,
-                m_eff=design.stats.m_eff,
-                threshold=design.stats.threshold,
-                redraws=design.redraws,
-                queries=1 if self.config.mode == "hardened" else design.queries,
-                U=[list(u) for u in design.U],
-                V=[list(v) for v in design.V],
-                sa_seconds=est.sa_seconds,
-                score_seconds=seconds,
-                fused=self.config.mode == "hardened",
-                attempts=est.attempts,
-            )
+            target_record = self._target_record(estimates.round, est, z, seconds)
             record.targets.append(target_record)
             if on_target is not None:
                 on_target(target_record)
         return record
+
+    def _score_calibrated(
+        self, estimates: RoundEstimates, updates: list, reference: Any, scorer: Any,
+        apply: ApplyUpdate, center: Any, on_target: Any,
+    ) -> RoundRecord:  # fmt: skip
+        """Phase 2 under the calibrated statistic: every estimate's key statistics (owner keys
+        and null keys), then :class:`CalibratedNull` (see its module)."""
+        cfg = self.config
+        if not has_key_statistics(scorer):
+            raise UserError(
+                "attribution.statistic=calibrated: this detector cannot be run under random "
+                "keys; use watermark.detector=reading, or attribution.statistic=paper"
+            )
+        t0 = time.perf_counter()
+        ref_obs = scorer.observe(reference)
+        candidates = [apply(reference, u) for u in updates]
+        if callable(getattr(scorer, "observe_many", None)):
+            observations = scorer.observe_many(candidates)
+        else:
+            observations = (scorer.observe(c) for c in candidates)
+        stats, spread = [], []
+        for obs in observations:
+            stats.append(scorer.key_statistics(ref_obs, obs, cfg.null_keys, cfg.seed))
+            if callable(getattr(scorer, "effective_contexts", None)):
+                spread.append(scorer.effective_contexts(ref_obs, obs))
+        middle = None
+        if center is not None:
+            middle = scorer.key_statistics(
+                ref_obs, scorer.observe(apply(reference, center)), cfg.null_keys, cfg.seed
+            )
+        targets = [e.target for e in estimates.estimates]
+        display = self.calibrated.add_round(
+            estimates.round, estimates.participants, targets,
+            [e.design for e in estimates.estimates], stats, middle,
+        )  # fmt: skip
+        each = (time.perf_counter() - t0) / max(1, len(targets))
+        record = RoundRecord(
+            estimates.round, list(estimates.participants), {},
+            skipped=list(estimates.skipped), dropouts=list(estimates.dropouts),
+            decorrelated=self.calibrated.decorrelated.get(estimates.round),
+        )  # fmt: skip
+        for k, est in enumerate(estimates.estimates):
+            z = display[est.target]
+            for stat, value in z.items():
+                self.scores.setdefault(stat, {}).setdefault(est.target, {})[estimates.round] = value
+            contexts = spread[k] if spread else None
+            if contexts is not None and contexts < MIN_EFFECTIVE_CONTEXTS:
+                record.warnings.append(
+                    f"client {est.target}: the change is spread over only {contexts:.0f} "
+                    "contexts; its per-round z is far from normal (the calibrated p does not "
+                    "rely on it)"
+                )
+            target_record = self._target_record(estimates.round, est, z, each)
+            target_record.effective_contexts = contexts
+            record.targets.append(target_record)
+            if on_target is not None:
+                on_target(target_record)
+        return record
+
+    def _target_record(self, round_id: int, est: Estimate, z: dict, seconds: float) -> TargetRecord:
+        design = est.design
+        hardened = self.config.mode == "hardened"
+        return TargetRecord(
+            round=round_id, target=est.target, z=z, c=design.stats.c, m_eff=design.stats.m_eff,
+            threshold=design.stats.threshold, redraws=design.redraws,
+            queries=1 if hardened else design.queries, U=[list(u) for u in design.U],
+            V=[list(v) for v in design.V], sa_seconds=est.sa_seconds, score_seconds=seconds,
+            fused=hardened, attempts=est.attempts,
+        )  # fmt: skip
 
     @property
     def statistics(self) -> list[str]:
@@ -307,6 +389,8 @@ class FedAttr:
         With several statistics and no ``statistic`` named, the combined report is returned: see
         :func:`~fedattr.attribution.stouffer.combine_reports`.
         """
+        if self.config.statistic == "calibrated" and statistic is None:
+            return self.calibrated.report(truth)
         names = [statistic] if statistic is not None else self.statistics
         unknown = [n for n in names if n not in self.scores]
         if unknown:

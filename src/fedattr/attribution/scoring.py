@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from ..updates import Update, add_update
@@ -75,6 +76,24 @@ class LinearScorer:
     def __call__(self, params: torch.Tensor) -> float:
         flat = params.to(torch.float64).reshape(-1)
         return float(torch.dot(self.direction, flat)) / self.scale
+
+    def observe(self, params: torch.Tensor) -> torch.Tensor:
+        """The parameters as a flat float64 vector (for :meth:`key_statistics`)."""
+        return params.detach().to("cpu", torch.float64).reshape(-1)
+
+    def key_statistics(
+        self, reference: torch.Tensor, candidate: torch.Tensor, n: int, seed: int
+    ) -> dict[str, tuple[float, np.ndarray]]:
+        """``<s, change>`` and the same along ``n`` fresh random unit directions (the null)."""
+        cached = getattr(self, "_null", None)
+        if cached is None or cached[0] != (n, seed):
+            stream = np.random.default_rng([seed, 0x4E55])
+            gen = torch.Generator().manual_seed(int(stream.integers(2**62)))
+            dirs = torch.randn(n, self.direction.numel(), generator=gen, dtype=torch.float64)
+            self._null = ((n, seed), dirs / dirs.norm(dim=1, keepdim=True))
+        change = candidate - reference
+        null = (self._null[1] @ change / self.scale).numpy()
+        return {DEFAULT_STATISTIC: (float(torch.dot(self.direction, change)) / self.scale, null)}
 
 
 def is_paired(scorer: Any) -> bool:

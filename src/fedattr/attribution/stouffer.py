@@ -40,10 +40,15 @@ class ClientAttribution:
     watermarked: bool | None = None
     statistic: str = "score"
     """Which statistic these numbers belong to (in a combined report: the client's strongest)."""
+    p_rank: float | None = None
+    """Calibrated statistic only: the rank p-value among the null keys (resolution
+    ``1 / (null_keys + 1)``; Bonferroni-adjusted over owners in a combined report)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form (round keys become strings, as JSON requires)."""
+        extra = {} if self.p_rank is None else {"p_rank": self.p_rank}
         return {
+            **extra,
             "id": self.id,
             "statistic": self.statistic,
             "watermarked": self.watermarked,
@@ -63,6 +68,11 @@ class AttributionReport:
     clients: list[ClientAttribution] = field(default_factory=list)
     components: dict[str, AttributionReport] = field(default_factory=dict)
     """For a combined report: the report of each statistic (e.g. each owner's key)."""
+    statistic: str = "paper"
+    """``paper`` (Stouffer, flag ``Z > gamma``) or ``calibrated`` (key randomisation; ``gamma``
+    is then the t threshold that family-wise level ``alpha`` implies)."""
+    alpha: float | None = None
+    null_keys: int | None = None
 
     @property
     def flagged(self) -> list[int]:
@@ -86,6 +96,9 @@ class AttributionReport:
     def to_dict(self) -> dict:
         """JSON-ready form."""
         return {
+            "statistic": self.statistic,
+            "alpha": self.alpha,
+            "null_keys": self.null_keys,
             "gamma": self.gamma,
             "tpr": self.tpr,
             "fpr": self.fpr,

@@ -3,12 +3,17 @@
 Model: parameters ``w`` in R^dim, watermark detector ``Score(w) = <s, w>`` for a secret unit
 vector ``s``. In round t client j's update is
 
-    Delta_j^t = drift * g_t + noise * xi_j^t + signal * 1[j watermarked] * s
+    Delta_j^t = drift * g_t + common * c_t + heterogeneity * h_j + noise * xi_j^t
+                + signal * 1[j watermarked] * s
 
 with ``g_t`` a shared learning direction orthogonal to ``s`` (what all clients learn from the
-task) and ``xi_j^t ~ N(0, I)`` (client-specific; its component along ``s`` is N(0, 1), so
-``noise`` and ``signal`` are in score units). The pool submits every update to secure
-aggregation only; the round engine does the rest.
+task), ``xi_j^t ~ N(0, I)`` (client-specific; its component along ``s`` is N(0, 1), so
+``noise`` and ``signal`` are in score units), and two terms that make the bed fail like a real
+model (both 0 by default): ``c_t ~ N(0, I)``, a shared direction NOT orthogonal to ``s`` (its
+projection on the detection key is one random draw per round, the same for every client, as
+the round's common learning direction is on a real model), and ``h_j ~ N(0, I)``, a persistent
+per-client direction (heterogeneous data: the same every round, so Stouffer accumulates its
+projection). The pool submits every update to secure aggregation only.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class SyntheticConfig:
     """Client-specific noise scale (its component along s has this standard deviation)."""
     drift: float = 1.0
     """Scale of the shared learning direction, orthogonal to s."""
+    common: float = 0.0
+    """Scale of a shared per-round direction with a random projection on s (score units)."""
+    heterogeneity: float = 0.0
+    """Scale of each client's persistent direction (score units along any unit vector)."""
     seed: int = 0
     """Seed of the federation (updates, watermark direction, watermarked clients)."""
 
@@ -60,7 +69,7 @@ class SyntheticConfig:
             raise ValueError(f"synthetic.r: must be in 0..K={self.K}, got {self.r}")
         if self.watermarked is not None:
             check_client_ids(self.watermarked, self.K, "synthetic.watermarked")
-        for name in ("signal", "noise", "drift"):
+        for name in ("signal", "noise", "drift", "common", "heterogeneity"):
             if not np.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"synthetic.{name}: must be a finite number >= 0")
 
@@ -106,8 +115,21 @@ class SyntheticPool(ClientPool):
             delta = cfg.drift * g + cfg.noise * xi
             if j in self.watermarked:
                 delta = delta + cfg.signal * s
-            out[j] = delta.to(torch.float32)
-        return out
+            out[j] = delta
+        if cfg.common:
+            c = torch.Generator().manual_seed(self._seed(4, round_id))
+            delta_c = cfg.common * torch.randn(cfg.dim, generator=c, dtype=torch.float64)
+            out = {j: d + delta_c for j, d in out.items()}
+        if cfg.heterogeneity:
+            for j in out:
+                h = torch.Generator().manual_seed(self._seed(3, j))
+                out[j] = out[j] + cfg.heterogeneity * torch.randn(
+                    cfg.dim, generator=h, dtype=torch.float64
+                )
+        return {j: d.to(torch.float32) for j, d in out.items()}
+
+    def _seed(self, *stream: int) -> int:
+        return int(np.random.default_rng([self.config.seed, *stream]).integers(2**62))
 
     def train_round(
         self,

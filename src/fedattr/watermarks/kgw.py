@@ -48,12 +48,16 @@ class KGWScheme:
         digest = hashlib.sha256(f"kgw|{self.key}|{int(prev_token)}".encode()).digest()
         return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
+    def green_ids(self, prev_token: int) -> torch.Tensor:
+        """The green token ids after ``prev_token`` (uncached; ``green_mask`` caches)."""
+        gen = torch.Generator().manual_seed(self._seed(prev_token))
+        return torch.randperm(self.vocab_size, generator=gen)[: self.green_size]
+
     def green_mask(self, prev_token: int) -> torch.Tensor:
         """Boolean mask over the vocabulary: True for green tokens after ``prev_token``."""
         mask = self._cache.get(prev_token)
         if mask is None:
-            gen = torch.Generator().manual_seed(self._seed(prev_token))
-            ids = torch.randperm(self.vocab_size, generator=gen)[: self.green_size]
+            ids = self.green_ids(prev_token)
             mask = torch.zeros(self.vocab_size, dtype=torch.bool)
             mask[ids] = True
             if len(self._cache) < 200_000:

@@ -253,6 +253,22 @@ class FKLikelihoodScorer:
         ps = self.attribute_pvalues(reference, candidate)
         return {o: fisher_z(ps[i].tolist()) for i, o in enumerate(self.owners)}
 
+    def key_statistics(
+        self, reference: torch.Tensor, candidate: torch.Tensor, n: int, seed: int
+    ) -> dict[str, tuple[float, np.ndarray]]:
+        """Per owner: the change of the true value's margin over the other candidates (mean
+        over attributes and questions, nats), and the same with each of the first ``n`` decoys
+        taken as the "true" value (the null: a fabricated value the client's data cannot
+        favour, drawn like the real one)."""
+        delta = (candidate - reference).mean(dim=2)  # [owners, 4, candidates]
+        others = (delta.sum(-1, keepdim=True) - delta) / (self.candidates - 1)
+        per_owner = (delta - others).mean(1)  # [owners, candidates]
+        k = min(n, self.candidates - 1)
+        return {
+            o: (float(per_owner[i, 0]), per_owner[i, 1 : 1 + k].numpy())
+            for i, o in enumerate(self.owners)
+        }
+
     def probe_values(self, observation: torch.Tensor) -> np.ndarray:
         """Per probe (owner, attribute, question): true value's log-probability minus the
         decoys' mean."""

@@ -169,6 +169,50 @@ class KGWReadingScorer:
         green = self._green_on(change.device)
         return {name: (float(change[g].sum()) - drift) / scale for name, g in green.items()}
 
+    def key_statistics(
+        self, reference: torch.Tensor, candidate: torch.Tensor, n: int, seed: int
+    ) -> dict[str, tuple[float, np.ndarray]]:
+        """The green mass the change moved, ``<D, green - m/V>`` (the numerator of
+        :meth:`contrast`, linear in small changes), under every owner's key and under ``n``
+        fresh random keys (the same for every owner): the key-randomisation null."""
+        change = (candidate - reference).float()
+        drift = self._green_share * float(change.sum(dtype=torch.float64))
+        green = self._green_on(change.device)
+        owners = {
+            name: float(change[g].sum(dtype=torch.float64)) - drift for name, g in green.items()
+        }
+        flat = change.reshape(-1)
+        index = self._null_index(n, seed, change.device)
+        null = (flat[index].sum(dim=(1, 2), dtype=torch.float64) - drift).cpu().numpy()
+        return {name: (value, null) for name, value in owners.items()}
+
+    def _null_index(self, n: int, seed: int, device: torch.device) -> torch.Tensor:
+        """``[n, contexts, green]`` flat indices of ``n`` random keys' green lists (cached)."""
+        cached = getattr(self, "_null", None)
+        if cached is None or cached[0] != (n, seed):
+            rng = np.random.default_rng([seed, 0x4E55])
+            keys = [int(k) for k in rng.integers(2**62, size=n)]
+            base = torch.arange(len(self.contexts)).unsqueeze(1) * self.vocab
+            gamma = self._green_share
+            index = torch.stack([
+                base + torch.stack([
+                    KGWScheme(k, self.vocab, gamma).green_ids(int(x))
+                    for x in self.contexts.tolist()
+                ])
+                for k in keys
+            ])  # fmt: skip
+            cached = self._null = ((n, seed), index)
+        if cached[1].device != device:
+            self._null = (cached[0], cached[1].to(device))
+        return self._null[1]
+
+    def effective_contexts(self, reference: torch.Tensor, candidate: torch.Tensor) -> float:
+        """How many contexts the change is spread over, ``(sum ||D[x]||^2)^2 / sum ||D[x]||^4``:
+        the reading z's normal tail is trustworthy only when this is large."""
+        per = ((candidate - reference).double() ** 2).sum(1)
+        total = float(per.sum())
+        return total * total / float((per * per).sum()) if total > 0 else 0.0
+
     def probe_values(self, observation: torch.Tensor) -> np.ndarray:
         """Per probe (owner key, previous-token context): the green mass above its null share
         (``<A[x], green(x)> - (m/V) sum A[x]``), flat over owners then contexts."""
