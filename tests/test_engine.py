@@ -98,7 +98,7 @@ def test_estimates_are_moved_to_the_device_of_the_scoring_parameters():
         sa.submit(j, {"a": torch.randn(3, 2), "b": torch.randn(2)})
     reference = {"a": torch.zeros(3, 2, device="meta"), "b": torch.zeros(2, device="meta"),
                  "frozen": torch.zeros(5, device="meta")}  # fmt: skip
-    fed = FedAttr(AttributionConfig(center=True))
+    fed = FedAttr(AttributionConfig(center=True, statistic="paper"))
     center = sa.subset_sum(range(10))
     record = fed.attribute_round(1, sa, reference, _DeviceScorer("meta"), center=center)
     assert len(record.targets) == 10
@@ -125,7 +125,8 @@ def test_observe_many_sees_every_candidate_of_the_round_at_once():
     for j in range(10):
         sa.submit(j, {"a": torch.full((2,), float(j))})
     scorer = Batched()
-    record = FedAttr(AttributionConfig()).attribute_round(1, sa, {"a": torch.zeros(2)}, scorer)
+    fed = FedAttr(AttributionConfig(statistic="paper"))
+    record = fed.attribute_round(1, sa, {"a": torch.zeros(2)}, scorer)
     assert scorer.batches == [10]
     # Unbiased linear estimate of each client's own coordinate sum (2j), up to masking noise.
     assert {r.target for r in record.targets} == set(range(10))
@@ -230,3 +231,26 @@ def test_damaged_checkpoint_is_one_clear_line(tmp_path):
     with pytest.raises(UserError, match=r"checkpoint .* is damaged"):
         folder.load_checkpoint()
     assert folder.status == "interrupted" and folder.resumable_config() == {"a": 1}
+
+
+class _KeyedDeviceScorer(_DeviceScorer):
+    """The calibrated path's scorer: raw statistics under the owner key and null keys."""
+
+    def key_statistics(self, reference, candidate, n, seed):
+        import numpy as np
+
+        return {"owner": (0.0, np.linspace(-1.0, 1.0, n))}
+
+
+def test_calibrated_statistic_is_device_correct_too():
+    sa = make_aggregator(SecAggConfig(backend="plaintext"))
+    sa.open_round(1, range(10))
+    for j in range(10):
+        sa.submit(j, {"a": torch.randn(3, 2)})
+    reference = {"a": torch.zeros(3, 2, device="meta")}
+    fed = FedAttr(AttributionConfig(null_keys=5))
+    record = fed.attribute_round(1, sa, reference, _KeyedDeviceScorer("meta"),
+                                 center=sa.subset_sum(range(10)))  # fmt: skip
+    assert record.decorrelated is True and len(record.targets) == 10
+    report = fed.report()
+    assert report.statistic == "calibrated" and report.null_keys == 5

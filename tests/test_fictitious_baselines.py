@@ -239,7 +239,9 @@ def test_fk_config_errors_name_the_parameter():
 def test_fk_run_with_baselines(tiny_cache, detector):
     from fedattr.experiments.run import run_experiment
 
+    statistic = "calibrated" if detector == "reading" else "paper"  # greedy: no random keys
     sets = _small(tiny_cache, "watermark.kind=fk", f"watermark.detector={detector}",
+                  f"attribution.statistic={statistic}",
                   "watermark.fk_questions=2", "watermark.fk_decoys=7", "baselines=true",
                   "fl.rounds=3")  # fmt: skip
     result = run_experiment(load(RunConfig, None, sets), progress=lambda _m: None)
@@ -248,7 +250,8 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     wm = d["federation"]["watermarked"]
     assert d["federation"]["doc_target_share"] == {str(c): 1.0 for c in wm}
     # The FK margin has no null scale of its own: under null = auto FedAttr goes empirical.
-    assert d["null"] == ("empirical" if detector == "reading" else "theoretical")
+    assert d["null"] == ("key-randomised" if detector == "reading" else "theoretical")
+    assert d["statistic"] == ("calibrated" if detector == "reading" else "paper")
     names = [b["name"] for b in d["baselines"]]
     assert names == ["Global model", "Direct (oracle)", "FLDetector",
                      "FLForensics (HDBSCAN)", "FLForensics (k-means)"]  # fmt: skip

@@ -55,7 +55,7 @@ def test_reference_scored_once_per_round_and_partial_participation():
         calls.append(1)
         return lin(w)
 
-    fed = FedAttr(AttributionConfig(N=2, M=3))
+    fed = FedAttr(AttributionConfig(N=2, M=3, statistic="paper"))
     sa = make_aggregator(SecAggConfig(min_members=2))
     records = []
     for t, participants in ((1, [0, 1, 2, 3, 4]), (2, [1, 2, 3, 4, 5])):
@@ -104,12 +104,12 @@ def test_centering_removes_the_common_direction_from_every_score():
         sa.open_round(1, list(range(K)))
         for c, u in updates.items():
             sa.submit(c, u)
-        fa = FedAttr(AttributionConfig(N=3, M=4, center=center))
+        fa = FedAttr(AttributionConfig(N=3, M=4, center=center, statistic="paper"))
         rec = fa.attribute_round(1, sa, torch.zeros(d), LinearScorer(s), center=mean)
         scores[center] = [t.z["score"] for t in rec.targets]
     assert np.allclose(scores[False], 2.0, atol=1e-4)
     assert np.allclose(scores[True], 0.0, atol=1e-4)
     with pytest.raises(ValueError, match="center"):
-        FedAttr(AttributionConfig(N=3, M=4, center=True)).attribute_round(
+        FedAttr(AttributionConfig(N=3, M=4, center=True, statistic="paper")).attribute_round(
             1, sa, torch.zeros(d), LinearScorer(s)
         )

@@ -113,3 +113,27 @@ def test_differential_scorer_uses_observe_once_and_contrast_per_estimate():
     assert diff(torch.tensor([1.0, 2.0, 3.0])) == {"s": 6.0}
     assert diff(torch.tensor([0.0, 0.0, -1.0])) == {"s": -1.0}
     assert scorer.observed == 3
+
+
+def test_key_statistics_are_the_contrast_numerator_and_a_key_randomised_null(reading_setup):
+    model, tok, texts = reading_setup
+    V = len(tok)
+    keys = {"owner": KGWScheme(5, V), "other": KGWScheme(6, V)}
+    scorer = KGWReadingScorer(_Tilted(model, keys["owner"]), texts, keys, _load)
+    ref = scorer.observe((0.0, 0.0, 0))
+    cand = scorer.observe((0.05, 0.3, 3))
+    stats = scorer.key_statistics(ref, cand, 100, seed=1)
+    z = scorer.contrast(ref, cand)
+    change = (cand - ref).double()
+    scale = float(np.sqrt(float((change * change).sum()) * scorer._null_var))
+    for name in keys:
+        assert stats[name][0] / scale == pytest.approx(z[name], rel=1e-4, abs=1e-4)
+    null = stats["owner"][1]
+    assert null.shape == (100,) and np.array_equal(null, stats["other"][1])
+    # Fresh random keys see the random part of the change only: centred, unit scale in z.
+    assert abs(null.mean() / scale) < 0.4 and 0.7 < (null / scale).std() < 1.3
+    assert stats["owner"][0] > null.max()  # the tilt towards the owner's key stands out
+    # The same (n, seed) reuses the keys; another seed draws other ones.
+    assert np.array_equal(scorer.key_statistics(ref, cand, 100, seed=1)["owner"][1], null)
+    assert not np.array_equal(scorer.key_statistics(ref, cand, 100, seed=2)["owner"][1], null)
+    assert 1 <= scorer.effective_contexts(ref, cand) <= len(scorer.contexts)

@@ -16,7 +16,8 @@ def test_short_run_end_to_end(tiny_cache, strategy, detector):
     cfg = load(
         RunConfig,
         None,
-        _small(tiny_cache, f"fl.strategy={strategy}", f"watermark.detector={detector}"),
+        _small(tiny_cache, f"fl.strategy={strategy}", f"watermark.detector={detector}",
+               "attribution.statistic=" + ("paper" if detector == "greedy" else "calibrated")),
     )
     result = run_experiment(cfg, progress=lambda _m: None)
     d = result.to_dict()

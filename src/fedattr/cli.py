@@ -88,11 +88,39 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_seeds(text: str) -> list[int]:
+def _parse_seeds(text: str, option: str = "--seeds") -> list[int]:
+    """``1,2,3`` or a range ``0-199`` (or both: ``0-9,20``)."""
+    out: list[int] = []
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        for part in (x.strip() for x in text.split(",")):
+            if not part:
+                continue
+            lo, sep, hi = part.partition("-")
+            out += list(range(int(lo), int(hi) + 1)) if sep and lo else [int(part)]
     except ValueError:
-        raise UserError(f"--seeds: comma-separated integers, e.g. 1,2,3; got {text!r}") from None
+        raise UserError(
+            f"{option}: comma-separated integers or ranges, e.g. 1,2,3 or 0-199; got {text!r}"
+        ) from None
+    return out
+
+
+def _cmd_experiment_calibration(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .experiments.calibration import CalibrationSpec, run_calibration
+
+    spec = CalibrationSpec(args.bed, _parse_seeds(args.seeds), _parse_seeds(args.r, "--r"),
+                           args.config, args.set)  # fmt: skip
+    out = Path(args.out or f"runs/calibration-{args.bed}")
+    try:
+        run_calibration(spec, out, progress=lambda m: print(m, file=sys.stderr))
+    except KeyboardInterrupt:
+        print("fedattr: interrupted; finished runs are kept: re-run the same command to "
+              "continue", file=sys.stderr)  # fmt: skip
+        return 130
+    print((out / "calibration.md").read_text())
+    print(f"experiment folder: {out}")
+    return 0
 
 
 def _cmd_experiment_main(args: argparse.Namespace) -> int:
@@ -275,7 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
     mech.add_argument("--seed", type=int, default=1)
     mech.add_argument("--rounds", type=int, default=5, help="FL rounds T (default 5)")
     mech.add_argument("--out", help="folder (default runs/mechanism-<preset>-<strategy>-<wm>)")
-    for sp in (em, mech):
+    cal = exp_sub.add_parser(
+        "calibration", help="empirical FPR of null p-values, QQ plot, family-wise TPR (resumable)"
+    )
+    cal.add_argument("--bed", default="synthetic", help="synthetic (default), tiny or smollm2")
+    cal.add_argument("--seeds", default="0-199", help="seeds: 1,2,3 or 0-199 (default 0-199)")
+    cal.add_argument("--r", default="0,3", help="watermarked clients per run (default 0,3)")
+    cal.add_argument("--out", help="experiment folder (default runs/calibration-<bed>)")
+    cal.set_defaults(func=_cmd_experiment_calibration)
+    for sp in (em, mech, cal):
         sp.add_argument("--config", help="a .json or .toml file applied to every run")
         sp.add_argument(
             "--set", action="append", default=[], metavar="KEY=VALUE",

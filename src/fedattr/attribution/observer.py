@@ -53,6 +53,8 @@ class AttributionObserver(Observer):
             f"{r.target}{'*' if r.target in self.marked else ''}:{max(r.z.values()):+.1f}"
             for r in record.targets
         )
+        for warning in record.warnings:
+            ctx.progress(f"[round {ctx.round}/{ctx.rounds}] {self.name} warning: {warning}")
         star = " (* = watermarked)" if self.marked else ""
         ctx.progress(f"[round {ctx.round}/{ctx.rounds}] {self.name} max-statistic z{star}: {line}")
 

@@ -18,6 +18,34 @@ from ..watermarks.config import WatermarkConfig
 from ..watermarks.registry import WATERMARKS
 
 
+def attribution_variants(
+    main: AttributionConfig, variants: list[dict[str, Any]], per_round: int, min_members: int
+) -> dict[str, AttributionConfig]:
+    """``main`` as ``fedattr`` and every variant (its keys over the main one's, plus a name),
+    each validated: same mode as the main one (one SA release policy per run), a valid N."""
+    out = {"fedattr": main}
+    base = to_dict(main)
+    for i, variant in enumerate(variants):
+        if not isinstance(variant, dict):
+            raise ConfigError(f"variants[{i}]: expected a table of attribution keys")
+        keys = dict(variant)
+        name = str(keys.pop("name", f"variant{i + 1}"))
+        if name in out:
+            raise ConfigError(f"variants[{i}].name: {name!r} is taken; names must differ")
+        cfg = from_dict(AttributionConfig, {**base, **keys}, prefix=f"variants[{i}].")
+        if cfg.mode != main.mode:
+            raise ConfigError(
+                f"variants[{i}].mode: must equal attribution.mode={main.mode!r} "
+                "(one SA release policy per run)"
+            )
+        if not per_round - 1 > cfg.N or min_members > cfg.N:
+            raise ConfigError(
+                f"variants[{i}].N: must be in {min_members}..{per_round - 2}, got {cfg.N}"
+            )
+        out[name] = cfg
+    return out
+
+
 @dataclass
 class DemoConfig:
     """Configuration of ``fedattr demo-protocol``."""
@@ -25,9 +53,18 @@ class DemoConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
     attribution: AttributionConfig = field(default_factory=AttributionConfig)
+    variants: list[dict[str, Any]] = field(default_factory=list)
+    """More FedAttr configurations on the same run (see :class:`RunConfig`)."""
 
     def __post_init__(self) -> None:
         self.secagg = harden(self.attribution, self.secagg, self.synthetic.K)
+        self.attribution_variants()
+
+    def attribution_variants(self) -> dict[str, AttributionConfig]:
+        """Name -> configuration of every FedAttr observer, the main one first."""
+        return attribution_variants(
+            self.attribution, self.variants, self.synthetic.K, self.secagg.min_members
+        )
 
 
 @dataclass
@@ -70,7 +107,13 @@ class RunConfig:
                 f"lower N or raise fl.K / fl.participation"
             )
         self.secagg = harden(self.attribution, self.secagg, n)
-        self.attribution_variants()  # validated before any work starts
+        for name, a in self.attribution_variants().items():  # validated before any work
+            if a.statistic == "calibrated" and self.watermark.detector == "greedy":
+                key = "attribution" if name == "fedattr" else f"variants ({name})"
+                raise ConfigError(
+                    f"{key}.statistic=calibrated needs watermark.detector=reading (the greedy "
+                    "detectors cannot be run under random keys); or set statistic=paper"
+                )
         if self.secagg.min_members > self.attribution.N:
             raise ValueError(
                 f"attribution.N={self.attribution.N} is below secagg.min_members="
@@ -79,28 +122,9 @@ class RunConfig:
 
     def attribution_variants(self) -> dict[str, AttributionConfig]:
         """Name -> configuration of every FedAttr observer, the main one (``fedattr``) first."""
-        out = {"fedattr": self.attribution}
-        base = to_dict(self.attribution)
-        for i, variant in enumerate(self.variants, 1):
-            if not isinstance(variant, dict):
-                raise ConfigError(f"variants[{i - 1}]: expected a table of attribution keys")
-            keys = dict(variant)
-            name = str(keys.pop("name", f"variant{i}"))
-            if name in out:
-                raise ConfigError(f"variants[{i - 1}].name: {name!r} is taken; names must differ")
-            cfg = from_dict(AttributionConfig, {**base, **keys}, prefix=f"variants[{i - 1}].")
-            if cfg.mode != self.attribution.mode:
-                raise ConfigError(
-                    f"variants[{i - 1}].mode: must equal attribution.mode="
-                    f"{self.attribution.mode!r} (one SA release policy per run)"
-                )
-            if not self.fl.per_round - 1 > cfg.N or self.secagg.min_members > cfg.N:
-                raise ConfigError(
-                    f"variants[{i - 1}].N: must be in {self.secagg.min_members}.."
-                    f"{self.fl.per_round - 2}, got {cfg.N}"
-                )
-            out[name] = cfg
-        return out
+        return attribution_variants(
+            self.attribution, self.variants, self.fl.per_round, self.secagg.min_members
+        )
 
 
 PRESET_OVERRIDES: dict[str, list[str]] = {

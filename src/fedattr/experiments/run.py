@@ -160,9 +160,11 @@ def _finish(
             "tpr": rep.tpr,
             "fpr": rep.fpr,
             "flagged": rep.flagged,
+            "statistic": rep.statistic,
             "sa_queries": queries_of(o.name),
             "timing": o.timing,
             "clients": [c.to_dict() for c in rep.clients],
+            "by_statistic": rep.to_dict()["by_statistic"],
         }
     return RunResult(
         dataclasses.replace(cfg), primary.fedattr.report(truth), rounds, queries_of(primary.name),
@@ -246,9 +248,8 @@ def run_demo(config: DemoConfig | None = None, progress: Say | None = None,
     cfg = config or DemoConfig()
     syn = cfg.synthetic
     pool = SyntheticPool(syn)
-    observers = _observers(
-        {"fedattr": cfg.attribution}, LinearScorer(pool.direction), pool.watermarked
-    )
+    observers = _observers(cfg.attribution_variants(), LinearScorer(pool.direction),
+                           pool.watermarked)  # fmt: skip
     engine = RoundEngine(
         pool, FedAvgServer(), make_aggregator(cfg.secagg), list(observers), rounds=syn.rounds,
         seed=syn.seed, progress=Progress(progress),
