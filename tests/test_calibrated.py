@@ -58,7 +58,7 @@ def test_decorrelation_recovers_each_clients_own_statistic():
     A = np.array([[d.coefficients()[j] for j in range(K)] for d in designs])
     Y = A @ own  # what the estimates carry: own statistic plus alpha-weighted cross-talk
     stats = [{"o": (float(y[0]), y[1:])} for y in Y]
-    center = own.mean(axis=0)
+    center = np.median(own, axis=0)
     null = CalibratedNull(decorrelate=True)
     null.add_round(1, list(range(K)), list(range(K)), designs, stats,
                    {"o": (float(center[0]), center[1:])})  # fmt: skip

@@ -31,7 +31,7 @@ def test_report_flags_rates_and_partial_participation():
     d = r.to_dict()
     assert d["clients"][0]["z"] == {"1": 5.0, "2": 5.0}
     md = attribution_table(r)
-    assert "| 0 | yes |" in md and "TPR = 50.0%" in md
+    assert "| 0 | yes |" in md and "TPR = 50.0%" in md and "γ = 4" in md
     assert build_report({0: {1: 1.0}}, 4.0).tpr is None
 
 

@@ -17,8 +17,9 @@ the watermarked clients' updates (cross-talk). So here:
    and round, one number per client (the projection of its update on that key's statistic):
    more than the paper's released estimates say individually, nothing they do not determine
    jointly. Hardened mode targets few clients per round, so there it is skipped.
-3. **Common part removed.** The statistic of the round's SA mean (which training aggregates
-   anyway) is subtracted: ``x_i - x(mean)``.
+3. **Common part removed.** With cross-talk undone, each key's median over the clients is
+   subtracted (a minority of watermarked clients barely moves it); otherwise the statistic of
+   the round's SA mean (which training aggregates anyway): ``x_i - x(mean)``.
 4. **Rounds summed per key**, so each random key is a full-run replicate of the null, with the
    cross-round correlation of a fixed key built in.
 5. **p-value.** With ``T_0`` the owner's sum and ``T_1..T_n`` the random keys', the t prediction
@@ -97,11 +98,16 @@ class CalibratedNull:
         self.decorrelated[round_id] = full
         display: dict[int, dict[str, float]] = {t: {} for t in targets}
         for o in owners:
-            X = np.linalg.solve(A, Y[o]) if full else Y[o]
-            if center is not None:
-                X = X - np.array([center[o][0], *center[o][1]])
+            if full:
+                # Each client's own statistic: the common part is the clients' median, which a
+                # minority of watermarked clients barely moves (the SA mean would carry r/K of
+                # their watermark into every clean client's score and out of theirs).
+                X = np.linalg.solve(A, Y[o])
+                X = X - np.median(X, axis=0)
+            elif center is not None:
+                X = Y[o] - np.array([center[o][0], *center[o][1]])
             else:
-                X = X - X.mean(axis=0)
+                X = Y[o] - Y[o].mean(axis=0)
             for i, target in enumerate(targets):
                 row = X[i]
                 acc = self.sums.setdefault(target, {})

@@ -352,17 +352,19 @@ class FedAttr:
             for stat, value in z.items():
                 self.scores.setdefault(stat, {}).setdefault(est.target, {})[estimates.round] = value
             contexts = spread[k] if spread else None
-            if contexts is not None and contexts < MIN_EFFECTIVE_CONTEXTS:
-                record.warnings.append(
-                    f"client {est.target}: the change is spread over only {contexts:.0f} "
-                    "contexts; its per-round z is far from normal (the calibrated p does not "
-                    "rely on it)"
-                )
             target_record = self._target_record(estimates.round, est, z, each)
             target_record.effective_contexts = contexts
             record.targets.append(target_record)
             if on_target is not None:
                 on_target(target_record)
+        few = [t for t in record.targets if (t.effective_contexts or 1e9) < MIN_EFFECTIVE_CONTEXTS]
+        if few:
+            least = min(t.effective_contexts for t in few)
+            record.warnings.append(
+                f"{len(few)} of {len(record.targets)} estimates change the detector's reading on "
+                f"fewer than {MIN_EFFECTIVE_CONTEXTS} effective contexts (least: {least:.0f}); "
+                "a per-round z there is far from normal (the calibrated p does not rely on it)"
+            )
         return record
 
     def _target_record(self, round_id: int, est: Estimate, z: dict, seconds: float) -> TargetRecord:

@@ -41,10 +41,15 @@ def attribution_table(report: AttributionReport) -> str:
         flag = "**yes**" if c.flagged else "no"
         rows.append([c.id, truth, *zs, f"{c.Z:+.2f}", p_value(c.p, c.log10_p), flag])
     head = ["client", "watermarked", *[f"z (t={t})" for t in rounds], "Z", "p", "flagged"]
-    return (
-        table(head, rows)
-        + f"\n\nγ = {report.gamma}; TPR = {percent(report.tpr)}; FPR = {percent(report.fpr)}"
-    )
+    if report.statistic == "calibrated":
+        rule = (
+            f"calibrated statistic, {report.null_keys} random keys: named when p < α/K, "
+            f"family-wise α = {report.alpha} (Z > {report.gamma:.2f})"
+        )
+    else:
+        rule = f"paper statistic: γ = {report.gamma:g}"
+    rates = f"TPR = {percent(report.tpr)}; FPR = {percent(report.fpr)}"
+    return table(head, rows) + f"\n\n{rule}; {rates}"
 
 
 def baselines_table(baselines: Sequence[Mapping[str, Any]]) -> str:
