@@ -20,8 +20,10 @@ the watermarked clients' updates (cross-talk). So here:
 3. **Common part removed.** With cross-talk undone, each key's median over the clients is
    subtracted (a minority of watermarked clients barely moves it); otherwise the statistic of
    the round's SA mean (which training aggregates anyway): ``x_i - x(mean)``.
-4. **Rounds summed per key**, so each random key is a full-run replicate of the null, with the
-   cross-round correlation of a fixed key built in.
+4. **Rounds summed per key**, each round's row first divided by its spread over all keys (so
+   every round weighs the same, as in Stouffer, and the owner's key stays exchangeable with the
+   random ones): each random key is a full-run replicate of the null, with the cross-round
+   correlation of a fixed key built in.
 5. **p-value.** With ``T_0`` the owner's sum and ``T_1..T_n`` the random keys', the t prediction
    statistic ``(T_0 - mean) / (sd * sqrt(1 + 1/n))`` is Student-t with ``n - 1`` degrees of
    freedom when the null sums are normal: its tail gives ``p`` beyond the rank test's
@@ -110,8 +112,13 @@ class CalibratedNull:
                 X = Y[o] - Y[o].mean(axis=0)
             for i, target in enumerate(targets):
                 row = X[i]
+                # Each round weighs the same (as in Stouffer): the row is divided by its spread
+                # over ALL keys, a symmetric function of them, so the owner's key stays
+                # exchangeable with the random ones. Raw sums would let the largest change (round
+                # 1, the least watermarked) drown the later rounds.
+                spread = float(row.std(ddof=1))
                 acc = self.sums.setdefault(target, {})
-                acc[o] = acc.get(o, 0.0) + row
+                acc[o] = acc.get(o, 0.0) + (row / spread if spread > 0 else 0.0 * row)
                 null = row[1:]
                 sd = float(null.std(ddof=1))
                 z = (row[0] - float(null.mean())) / sd if sd > 0 else 0.0
