@@ -104,23 +104,28 @@ def _parse_seeds(text: str, option: str = "--seeds") -> list[int]:
     return out
 
 
-def _cmd_experiment_calibration(args: argparse.Namespace) -> int:
+def _experiment(run, out: str, summary: str) -> int:
+    """Run a resumable experiment into ``out`` (``run(progress)``), then print ``summary``."""
     from pathlib import Path
 
-    from .experiments.calibration import CalibrationSpec, run_calibration
-
-    spec = CalibrationSpec(args.bed, _parse_seeds(args.seeds), _parse_seeds(args.r, "--r"),
-                           args.config, args.set)  # fmt: skip
-    out = Path(args.out or f"runs/calibration-{args.bed}")
     try:
-        run_calibration(spec, out, progress=lambda m: print(m, file=sys.stderr))
+        run(lambda m: print(m, file=sys.stderr))
     except KeyboardInterrupt:
         print("fedattr: interrupted; finished runs are kept: re-run the same command to "
               "continue", file=sys.stderr)  # fmt: skip
         return 130
-    print((out / "calibration.md").read_text())
+    print(Path(out, summary).read_text())
     print(f"experiment folder: {out}")
     return 0
+
+
+def _cmd_experiment_calibration(args: argparse.Namespace) -> int:
+    from .experiments.calibration import CalibrationSpec, run_calibration
+
+    spec = CalibrationSpec(args.bed, _parse_seeds(args.seeds), _parse_seeds(args.r, "--r"),
+                           args.config, args.set)  # fmt: skip
+    out = args.out or f"runs/calibration-{args.bed}"
+    return _experiment(lambda say: run_calibration(spec, out, say), out, "calibration.md")
 
 
 def _cmd_experiment_main(args: argparse.Namespace) -> int:
@@ -128,17 +133,7 @@ def _cmd_experiment_main(args: argparse.Namespace) -> int:
 
     spec = MainSpec(args.preset, _parse_seeds(args.seeds), args.config, args.set)
     out = args.out or f"runs/main-{args.preset}"
-    try:
-        run_main(spec, out, progress=lambda m: print(m, file=sys.stderr))
-    except KeyboardInterrupt:
-        print("fedattr: interrupted; finished runs are kept: re-run the same command to "
-              "continue", file=sys.stderr)  # fmt: skip
-        return 130
-    from pathlib import Path
-
-    print(Path(out, "table.md").read_text())
-    print(f"experiment folder: {out}")
-    return 0
+    return _experiment(lambda say: run_main(spec, out, say), out, "table.md")
 
 
 def _cmd_experiment_mechanism(args: argparse.Namespace) -> int:
