@@ -24,7 +24,15 @@ from .calibrated import CalibratedNull, has_key_statistics
 from .config import AttributionConfig
 from .design import DesignError, QueryDesign, draw_design, validate_parameters
 from .estimator import combine_answers, design_queries
-from .scoring import DEFAULT_STATISTIC, ApplyUpdate, DifferentialScorer, PairedScorer, Scorer
+from .scoring import (
+    DEFAULT_STATISTIC,
+    ApplyUpdate,
+    DifferentialScorer,
+    PairedScorer,
+    Scorer,
+    observe_all,
+    observes_in_batches,
+)
 from .stouffer import AttributionReport, build_report, combine_reports, empirical_null
 
 
@@ -291,7 +299,7 @@ class FedAttr:
             skipped=list(estimates.skipped),
             dropouts=list(estimates.dropouts),
         )
-        batched = differential.paired and callable(getattr(scorer, "observe_many", None))
+        batched = differential.paired and observes_in_batches(scorer)
         if batched:
             scored = differential.score_many(updates)
             each = (time.perf_counter() - t0) / max(1, len(updates))
@@ -299,12 +307,7 @@ class FedAttr:
             t1 = time.perf_counter()
             z = scored[k] if batched else differential(update)
             seconds = each if batched else time.perf_counter() - t1
-            for stat, value in z.items():
-                self.scores.setdefault(stat, {}).setdefault(est.target, {})[estimates.round] = value
-            target_record = self._target_record(estimates.round, est, z, seconds)
-            record.targets.append(target_record)
-            if on_target is not None:
-                on_target(target_record)
+            self._add_target(record, est, z, seconds, on_target)
         return record
 
     def _score_calibrated(
@@ -321,13 +324,8 @@ class FedAttr:
             )
         t0 = time.perf_counter()
         ref_obs = scorer.observe(reference)
-        candidates = [apply(reference, u) for u in updates]
-        if callable(getattr(scorer, "observe_many", None)):
-            observations = scorer.observe_many(candidates)
-        else:
-            observations = (scorer.observe(c) for c in candidates)
         stats, spread = [], []
-        for obs in observations:
+        for obs in observe_all(scorer, (apply(reference, u) for u in updates)):
             stats.append(scorer.key_statistics(ref_obs, obs, cfg.null_keys, cfg.seed))
             if callable(getattr(scorer, "effective_contexts", None)):
                 spread.append(scorer.effective_contexts(ref_obs, obs))
@@ -348,15 +346,8 @@ class FedAttr:
             decorrelated=self.calibrated.decorrelated.get(estimates.round),
         )  # fmt: skip
         for k, est in enumerate(estimates.estimates):
-            z = display[est.target]
-            for stat, value in z.items():
-                self.scores.setdefault(stat, {}).setdefault(est.target, {})[estimates.round] = value
             contexts = spread[k] if spread else None
-            target_record = self._target_record(estimates.round, est, z, each)
-            target_record.effective_contexts = contexts
-            record.targets.append(target_record)
-            if on_target is not None:
-                on_target(target_record)
+            self._add_target(record, est, display[est.target], each, on_target, contexts)
         few = [t for t in record.targets if (t.effective_contexts or 1e9) < MIN_EFFECTIVE_CONTEXTS]
         if few:
             least = min(t.effective_contexts for t in few)
@@ -367,16 +358,25 @@ class FedAttr:
             )
         return record
 
-    def _target_record(self, round_id: int, est: Estimate, z: dict, seconds: float) -> TargetRecord:
+    def _add_target(
+        self, record: RoundRecord, est: Estimate, z: dict[str, float], seconds: float,
+        on_target: Any, contexts: float | None = None,
+    ) -> None:  # fmt: skip
+        """Keep one target's scores (for Stouffer and display) and its record."""
+        for stat, value in z.items():
+            self.scores.setdefault(stat, {}).setdefault(est.target, {})[record.round] = value
         design = est.design
         hardened = self.config.mode == "hardened"
-        return TargetRecord(
-            round=round_id, target=est.target, z=z, c=design.stats.c, m_eff=design.stats.m_eff,
-            threshold=design.stats.threshold, redraws=design.redraws,
+        target = TargetRecord(
+            round=record.round, target=est.target, z=z, c=design.stats.c,
+            m_eff=design.stats.m_eff, threshold=design.stats.threshold, redraws=design.redraws,
             queries=1 if hardened else design.queries, U=[list(u) for u in design.U],
             V=[list(v) for v in design.V], sa_seconds=est.sa_seconds, score_seconds=seconds,
-            fused=hardened, attempts=est.attempts,
+            fused=hardened, attempts=est.attempts, effective_contexts=contexts,
         )  # fmt: skip
+        record.targets.append(target)
+        if on_target is not None:
+            on_target(target)
 
     @property
     def statistics(self) -> list[str]:

@@ -14,7 +14,7 @@ change (e.g. the teacher-forced KGW green-mass contrast) plugs into the same pro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -96,6 +96,21 @@ class LinearScorer:
         return {DEFAULT_STATISTIC: (float(torch.dot(self.direction, change)) / self.scale, null)}
 
 
+def observe_all(scorer: PairedScorer, params: Sequence[Any]) -> Iterable[Any]:
+    """The scorer's observation of every entry of ``params``: one batched ``observe_many`` call
+    when the scorer has it, else ``observe`` lazily one at a time (so only one candidate's
+    parameters need to exist at a time when ``params`` is lazy)."""
+    many = getattr(scorer, "observe_many", None)
+    if callable(many):
+        return many(list(params))
+    return (scorer.observe(p) for p in params)
+
+
+def observes_in_batches(scorer: Any) -> bool:
+    """Whether :func:`observe_all` sees a round's candidates in one batched call."""
+    return callable(getattr(scorer, "observe_many", None))
+
+
 def is_paired(scorer: Any) -> bool:
     """Whether ``scorer`` follows :class:`PairedScorer` (has ``observe`` and ``contrast``)."""
     return callable(getattr(scorer, "observe", None)) and callable(
@@ -132,12 +147,13 @@ class DifferentialScorer:
         """:meth:`__call__` for every estimate; a paired scorer with ``observe_many`` sees all
         candidates at once (one batched pass), any other scorer one candidate at a time (so
         only one candidate's parameters exist at a time)."""
-        if self.paired and callable(getattr(self.scorer, "observe_many", None)):
-            observations = self.scorer.observe_many(
-                [self.apply(self.reference, e) for e in estimates]
-            )
+        if self.paired and observes_in_batches(self.scorer):
+            candidates = (self.apply(self.reference, e) for e in estimates)
             ref = self._reference_obs
-            return [as_statistics(self.scorer.contrast(ref, o)) for o in observations]
+            return [
+                as_statistics(self.scorer.contrast(ref, o))
+                for o in observe_all(self.scorer, candidates)
+            ]
         return [self._score_one(e) for e in estimates]
 
     def _score_one(self, estimate: Update) -> dict[str, float]:

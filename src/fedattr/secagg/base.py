@@ -165,10 +165,18 @@ class SecureAggregator(ABC):
 
     @classmethod
     def from_config(cls, config: SecAggConfig) -> Self:
-        """Build this backend from ``config`` (``release_budget`` 0 means no policy).
+        """Build this backend from ``config`` (``release_budget`` 0 means no policy)."""
+        return cls(
+            config.min_members,
+            config.codec(),
+            release_budget=config.release_budget or None,
+            **cls._options(config),
+        )
 
-        Backends with settings of their own (PRG, simulated dropouts) override this."""
-        return cls(config.min_members, config.codec(), release_budget=config.release_budget or None)
+    @classmethod
+    def _options(cls, config: SecAggConfig) -> dict:
+        """Constructor settings of this backend's own (PRG, simulated dropouts); none here."""
+        return {}
 
     # -- round life cycle -------------------------------------------------------------------
     @property

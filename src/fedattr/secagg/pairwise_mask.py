@@ -36,7 +36,6 @@ from .fixedpoint import FixedPointCodec
 from .prg import PRG_NAMES, expand
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
 
     from .config import SecAggConfig
 
@@ -164,16 +163,8 @@ class PairwiseMaskAggregator(SecureAggregator):
         self._client_policy = None
 
     @classmethod
-    def from_config(cls, config: SecAggConfig) -> Self:
-        """Build from ``config`` (``release_budget`` 0 means no policy)."""
-        return cls(
-            config.min_members,
-            config.codec(),
-            release_budget=config.release_budget or None,
-            prg=config.prg,
-            dropout=config.dropout,
-            seed=config.seed,
-        )
+    def _options(cls, config: SecAggConfig) -> dict:
+        return {"prg": config.prg, "dropout": config.dropout, "seed": config.seed}
 
     def _start_round(self, round_id, client_ids) -> None:
         # Fresh key pairs every round (forward secrecy between rounds, as in Bonawitz et al.).

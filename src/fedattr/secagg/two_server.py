@@ -21,7 +21,6 @@ from .policy import SessionLedgers
 from .prg import PRG_NAMES, expand
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
 
     from .config import SecAggConfig
 
@@ -88,14 +87,8 @@ class TwoServerAggregator(SecureAggregator):
         self.aggregator_b = ShareHolder("B", min_members)
 
     @classmethod
-    def from_config(cls, config: SecAggConfig) -> Self:
-        """Build from ``config`` (``release_budget`` 0 means no policy)."""
-        return cls(
-            config.min_members,
-            config.codec(),
-            release_budget=config.release_budget or None,
-            prg=config.prg,
-        )
+    def _options(cls, config: SecAggConfig) -> dict:
+        return {"prg": config.prg}
 
     def _receive(self, client_id: int, flat: np.ndarray) -> None:
         encoded = self.codec.encode(flat)
