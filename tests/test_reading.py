@@ -137,3 +137,30 @@ def test_key_statistics_are_the_contrast_numerator_and_a_key_randomised_null(rea
     assert np.array_equal(scorer.key_statistics(ref, cand, 100, seed=1)["owner"][1], null)
     assert not np.array_equal(scorer.key_statistics(ref, cand, 100, seed=2)["owner"][1], null)
     assert 1 <= scorer.effective_contexts(ref, cand) <= len(scorer.contexts)
+
+
+def test_null_keys_batched_cached_and_streamed_agree(reading_setup):
+    from fedattr.watermarks.nullkeys import RandomGreenLists
+
+    model, tok, texts = reading_setup
+    keys = {"owner": KGWScheme(5, len(tok))}
+    scorer = KGWReadingScorer(_Tilted(model, keys["owner"]), texts, keys, _load)
+    ref = scorer.observe((0.0, 0.0, 0))
+    cands = [scorer.observe((0.05, 0.3, 3)), scorer.observe((0.02, -0.2, 1))]
+    many = scorer.key_statistics_many(ref, cands, 40, seed=3)
+    for cand, stats in zip(cands, many, strict=True):
+        one = scorer.key_statistics(ref, cand, 40, seed=3)
+        assert stats["owner"][0] == pytest.approx(one["owner"][0])
+        assert np.allclose(stats["owner"][1], one["owner"][1], rtol=1e-5, atol=1e-6)
+    # Keys do not depend on whether the masks are kept: a cache-less copy redraws the same.
+    changes = torch.stack([(c - ref).float().reshape(-1) for c in cands])
+    cells = changes.shape[1]
+    kept = RandomGreenLists(40, 3, cells, 0.25).sums(changes)
+    redrawn = RandomGreenLists(40, 3, cells, 0.25, cache_bytes=0)
+    assert torch.allclose(kept, redrawn.sums(changes))
+    assert torch.allclose(kept, redrawn.sums(changes))  # and again: the same keys every round
+    # A mask is a Bernoulli(gamma) draw: about a quarter of the cells of every key are green.
+    share = redrawn._chunk(0).float().mean(1)
+    assert torch.all((share - 0.25).abs() < 0.05)
+    with pytest.raises(ValueError, match="changes"):
+        redrawn.sums(changes[:, :-1])

@@ -91,3 +91,27 @@ def test_attribution_variants_share_one_training_run(tiny_cache):
     assert v["sa_queries"] == alone.sa_queries == 2 * (2 * 3 * 4 + 1)
     with pytest.raises(ValueError, match=r"variants\[0\]\.mode"):
         load(RunConfig, None, _small(tiny_cache, 'variants=[{"mode": "hardened"}]'))
+
+
+def test_bench_pipeline_reports_every_stage_from_the_run(tiny_cache, tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["bench", "pipeline", "--rounds", "1", "--out", str(out), "--json"]
+    for s in _small(tiny_cache):
+        args += ["--set", s]
+    assert main(args) == 0
+    fig = json.loads(capsys.readouterr().out)
+    st = fig["stages"]
+    res = json.loads((out / "results.json").read_text())
+    # The counters are the work the run did: K=4 clients' tokens, every SA query, and per
+    # round the reference, the 4 candidates and the SA mean (calibrated statistic).
+    assert st["training"]["tokens"] > 0 and st["training"]["tokens_per_s"] > 0
+    assert st["training"]["steps"] == res["work"]["train_steps"] >= 4
+    assert st["sa"]["queries"] == res["sa_queries"] > 0
+    assert st["scoring"]["models"] == 1 + 4 + 1
+    assert st["teacher"]["documents"] == sum(res["federation"]["watermarked_docs"].values())
+    assert fig["parameters"] > 0 and fig["device"] == "cpu" and st["training"]["mfu"] is None
+    assert "tokens/s" in (out / "pipeline.md").read_text()
+    # A second call reuses the finished run; bad input is one line.
+    assert main(args) == 0 and json.loads(capsys.readouterr().out) == fig
+    assert main(["bench", "pipeline", "--rounds", "0"]) == 2
+    assert "--rounds: must be >= 1" in capsys.readouterr().err

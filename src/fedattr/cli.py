@@ -231,6 +231,33 @@ def _cmd_bench_secagg(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .config import load
+    from .experiments.bench import format_pipeline, pipeline_figures
+    from .experiments.config import PRESET_OVERRIDES, RunConfig
+    from .experiments.main import run_or_reuse
+
+    if args.preset not in PRESET_OVERRIDES:
+        raise UserError(
+            f"--preset: unknown preset {args.preset!r}; allowed: {', '.join(PRESET_OVERRIDES)}"
+        )
+    if args.rounds is not None and args.rounds < 1:
+        raise UserError(f"--rounds: must be >= 1, got {args.rounds}")
+    extra = [f"fl.rounds={args.rounds}"] if args.rounds is not None else []
+    cfg = load(RunConfig, args.config, PRESET_OVERRIDES[args.preset] + args.set + extra)
+    out = Path(args.out or f"runs/bench-pipeline-{args.preset}")
+    say = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    if run_or_reuse(cfg, out, say) is None:
+        say(f"{out}: a finished run of this configuration; its figures (remove it to re-measure)")
+    fig = pipeline_figures(json.loads((out / "results.json").read_text()))
+    (out / "pipeline.json").write_text(json.dumps(fig, indent=2))
+    (out / "pipeline.md").write_text(format_pipeline(fig) + "\n")
+    print(json.dumps(fig, indent=2) if args.json else format_pipeline(fig))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
     p = argparse.ArgumentParser(
@@ -356,9 +383,23 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--ring-bits", dest="ring_bits", type=int, default=64, choices=(32, 64))
     bs.add_argument("--frac-bits", dest="frac_bits", type=int, default=32)
     bs.add_argument("--clip", type=float, default=1024.0, help="fixed-point clip bound")
-    bs.add_argument("--prg", default="aes-ctr", choices=("aes-ctr", "chacha20"))
+    bs.add_argument("--prg", default="chacha20", choices=("aes-ctr", "chacha20"),
+                    help="mask generator on the CPU (other devices: chacha20)")
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(func=_cmd_bench_secagg)
+    bp = bench_sub.add_parser(
+        "pipeline",
+        help="one run's per-stage time and throughput: teacher documents/s, training tokens/s "
+        "and MFU, SA ms/query, models scored/s, FedAttr overhead",
+    )
+    bp.add_argument("--preset", default="tiny", help="tiny (default) or smollm2")
+    bp.add_argument("--rounds", type=int, help="FL rounds (default: the configuration's)")
+    bp.add_argument("--config", help="a .json or .toml run configuration")
+    bp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a setting (repeatable)")
+    bp.add_argument("--out", help="run folder (default runs/bench-pipeline-<preset>)")
+    bp.add_argument("--json", action="store_true")
+    bp.set_defaults(func=_cmd_bench_pipeline)
     return p
 
 

@@ -57,6 +57,17 @@ def has_key_statistics(scorer: Any) -> bool:
     )
 
 
+def all_key_statistics(
+    scorer: Any, reference: Any, observations: Sequence[Any], n: int, seed: int
+) -> list[KeyStatistics]:
+    """:meth:`key_statistics` of every observation against ``reference``, in one batched pass
+    where the scorer offers ``key_statistics_many``."""
+    many = getattr(scorer, "key_statistics_many", None)
+    if callable(many):
+        return many(reference, list(observations), n, seed)
+    return [scorer.key_statistics(reference, obs, n, seed) for obs in observations]
+
+
 def _design_matrix(designs: Sequence[QueryDesign], order: Sequence[int]) -> np.ndarray:
     """Row i: the weight of every participant (in ``order``) in target i's estimate."""
     rows = []

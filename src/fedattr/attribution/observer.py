@@ -48,6 +48,7 @@ class AttributionObserver(Observer):
         if self.primary:
             ctx.timing.add("sa_s", t1 - t0)
             ctx.timing.add("scoring_s", t2 - t1)
+            ctx.timing.count("models_scored", record.models_scored)
         self.records.append(record.to_dict())
         line = " ".join(
             f"{r.target}{'*' if r.target in self.marked else ''}:{max(r.z.values()):+.1f}"

@@ -20,7 +20,7 @@ from ..errors import UserError
 from ..secagg.base import QueryGroup, SecureAggregator
 from ..secagg.errors import QueryRefused
 from ..updates import UpdateLayout, add_update, scale_update
-from .calibrated import CalibratedNull, has_key_statistics
+from .calibrated import CalibratedNull, all_key_statistics, has_key_statistics
 from .config import AttributionConfig
 from .design import DesignError, QueryDesign, draw_design, validate_parameters
 from .estimator import combine_answers, design_queries
@@ -74,6 +74,8 @@ class RoundRecord:
     decorrelated: bool | None = None
     """Calibrated statistic: whether cross-talk was undone with the design matrix."""
     warnings: list[str] = field(default_factory=list)
+    models_scored: int = 0
+    """Models the detector read this round (reference, candidates, the SA mean's)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -299,6 +301,7 @@ class FedAttr:
             skipped=list(estimates.skipped),
             dropouts=list(estimates.dropouts),
         )
+        record.models_scored = 1 + len(updates)
         batched = differential.paired and observes_in_batches(scorer)
         if batched:
             scored = differential.score_many(updates)
@@ -324,16 +327,15 @@ class FedAttr:
             )
         t0 = time.perf_counter()
         ref_obs = scorer.observe(reference)
-        stats, spread = [], []
-        for obs in observe_all(scorer, (apply(reference, u) for u in updates)):
-            stats.append(scorer.key_statistics(ref_obs, obs, cfg.null_keys, cfg.seed))
-            if callable(getattr(scorer, "effective_contexts", None)):
-                spread.append(scorer.effective_contexts(ref_obs, obs))
-        middle = None
+        observed = list(observe_all(scorer, (apply(reference, u) for u in updates)))
+        spread = []
+        if callable(getattr(scorer, "effective_contexts", None)):
+            spread = [scorer.effective_contexts(ref_obs, obs) for obs in observed]
         if center is not None:
-            middle = scorer.key_statistics(
-                ref_obs, scorer.observe(apply(reference, center)), cfg.null_keys, cfg.seed
-            )
+            observed.append(scorer.observe(apply(reference, center)))
+        # One pass over the null keys for the whole round (the center's statistics last).
+        stats = all_key_statistics(scorer, ref_obs, observed, cfg.null_keys, cfg.seed)
+        middle = stats.pop() if center is not None else None
         targets = [e.target for e in estimates.estimates]
         display = self.calibrated.add_round(
             estimates.round, estimates.participants, targets,
@@ -344,6 +346,7 @@ class FedAttr:
             estimates.round, list(estimates.participants), {},
             skipped=list(estimates.skipped), dropouts=list(estimates.dropouts),
             decorrelated=self.calibrated.decorrelated.get(estimates.round),
+            models_scored=1 + len(stats) + (middle is not None),
         )  # fmt: skip
         for k, est in enumerate(estimates.estimates):
             contexts = spread[k] if spread else None

@@ -79,40 +79,37 @@ def bench_secagg(
         rows.append(BenchRow("plain-sum", d, dim, members, plain[d], 0.0, 0.0, 0, 1.0))
     base = base or SecAggConfig()
     for name in names:
-        say(f"benchmarking {name} (dim={dim}, members={members}, repeats={repeats})")
-        cfg = SecAggConfig(
-            backend=name,
-            min_members=min(base.min_members, members),
-            ring_bits=base.ring_bits,
-            frac_bits=base.frac_bits,
-            clip=base.clip,
-            prg=base.prg,
-        )
-        sa = make_aggregator(cfg)
-        sa.open_round(0, range(members))
-        t0 = time.perf_counter()
-        for j, v in enumerate(vectors):
-            sa.submit(j, v)
-        upload_ms = 1000 * (time.perf_counter() - t0) / members
-        for _ in range(repeats):
-            sa.subset_sum_flat(range(members))
-        sa.close_round()
-        log = sa.log[-repeats:]
-        ms = 1000 * statistics.median(r.seconds for r in log)
-        client_ms = 1000 * statistics.median(r.client_seconds_max for r in log)
-        rows.append(
-            BenchRow(
-                name,
-                "cpu",
-                dim,
-                members,
-                ms,
-                client_ms,
-                upload_ms,
-                log[-1].bytes_moved,
-                ms / plain["cpu"],
+        # Plaintext sums float64 NumPy vectors on the host; the masked backends run on every
+        # device torch offers (the masks, shares and ring sums live there).
+        for device in devices if name != "plaintext" else ["cpu"]:
+            say(f"benchmarking {name} on {device} (dim={dim}, members={members}, "
+                f"repeats={repeats})")  # fmt: skip
+            cfg = SecAggConfig(
+                backend=name,
+                min_members=min(base.min_members, members),
+                ring_bits=base.ring_bits,
+                frac_bits=base.frac_bits,
+                clip=base.clip,
+                prg=base.prg if device == "cpu" else "chacha20",
+                device=device,
             )
-        )
+            sa = make_aggregator(cfg)
+            sa.open_round(0, range(members))
+            t0 = time.perf_counter()
+            for j, v in enumerate(vectors):
+                sa.submit(j, v)
+            upload_ms = 1000 * (time.perf_counter() - t0) / members
+            sa.subset_sum_flat(range(members))  # warm-up (kernel compilation on a GPU)
+            for _ in range(repeats):
+                sa.subset_sum_flat(range(members))
+            sa.close_round()
+            log = sa.log[-repeats:]
+            ms = 1000 * statistics.median(r.seconds for r in log)
+            client_ms = 1000 * statistics.median(r.client_seconds_max for r in log)
+            rows.append(
+                BenchRow(name, device, dim, members, ms, client_ms, upload_ms,
+                         log[-1].bytes_moved, ms / plain[device])
+            )  # fmt: skip
     return rows
 
 
@@ -126,3 +123,84 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
          f"{r.ratio_to_plain_sum:.1f}"]
         for r in rows
     ))  # fmt: skip
+
+
+# Dense bf16 tensor-core peaks (FLOP/s) of the GPUs the project runs on, for MFU.
+_GPU_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+def _peak_flops(gpu: str | None) -> float | None:
+    for name, peak in _GPU_PEAK.items():
+        if gpu and name in gpu:
+            return peak
+    return None
+
+
+def pipeline_figures(results: dict) -> dict:
+    """Per-stage seconds, work and throughput from a run's ``results.json`` content."""
+    t, work = results["timing"], results.get("work", {})
+    model = results.get("model", {})
+    tokens, params = work.get("train_tokens", 0.0), float(model.get("parameters", 0))
+    # 6 N FLOPs per token is the usual MFU convention; LoRA training of frozen weights does
+    # about 4 N (no weight gradients), so MFU here is an upper bound on useful work.
+    flops = 6.0 * params * tokens / t["train_s"] if t["train_s"] > 0 else 0.0
+    on_gpu = str(model.get("device", "")).startswith("cuda")
+    peak = _peak_flops(model.get("gpu")) if on_gpu else None
+    queries = results.get("sa_queries", 0)
+    scored = work.get("models_scored", 0.0)
+    docs = work.get("teacher_documents", 0.0)
+
+    def rate(n: float, s: float) -> float | None:
+        return n / s if s > 0 and n else None
+
+    teacher_s = t.get("teacher_s", 0.0)
+    stages = {
+        "load": {"seconds": t.get("load_s", 0.0)},
+        "teacher": {"seconds": teacher_s, "documents": docs,
+                    "documents_per_s": rate(docs, teacher_s)},
+        "training": {"seconds": t["train_s"], "tokens": tokens,
+                     "steps": work.get("train_steps", 0.0),
+                     "tokens_per_s": rate(tokens, t["train_s"]),
+                     "model_tflops": flops / 1e12, "mfu": flops / peak if peak else None},
+        "sa": {"seconds": t["sa_s"], "queries": queries,
+               "ms_per_query": 1000 * t["sa_s"] / queries if queries else None},
+        "scoring": {"seconds": t["scoring_s"], "models": scored,
+                    "models_per_s": rate(scored, t["scoring_s"])},
+    }  # fmt: skip
+    return {
+        "device": model.get("device"),
+        "gpu": model.get("gpu"),
+        "parameters": int(params),
+        "stages": stages,
+        "overhead": t["overhead"],
+        "total_s": t["total_s"],
+    }
+
+
+def format_pipeline(fig: dict) -> str:
+    """Markdown table of :func:`pipeline_figures`."""
+    st = fig["stages"]
+
+    def f(x: float | None, spec: str = ".1f") -> str:
+        return "–" if x is None else format(x, spec)
+
+    tr, te, sa, sc = st["training"], st["teacher"], st["sa"], st["scoring"]
+    mfu = f"; MFU {100 * tr['mfu']:.1f}%" if tr["mfu"] is not None else ""
+    rows = [
+        ["load model", f(st["load"]["seconds"]), "", ""],
+        ["teacher (watermarked documents)", f(te["seconds"]), f"{te['documents']:.0f} documents",
+         f"{f(te['documents_per_s'], '.2f')} documents/s"],
+        ["local training", f(tr["seconds"]), f"{tr['tokens']:,.0f} tokens, {tr['steps']:.0f} steps",
+         f"{f(tr['tokens_per_s'], ',.0f')} tokens/s; {tr['model_tflops']:.3f} TFLOP/s at 6N{mfu}"],
+        ["SA queries", f(sa["seconds"]), f"{sa['queries']} queries",
+         f"{f(sa['ms_per_query'])} ms/query"],
+        ["scoring", f(sc["seconds"]), f"{sc['models']:.0f} models read",
+         f"{f(sc['models_per_s'], '.2f')} models/s"],
+    ]  # fmt: skip
+    where = fig["gpu"] or "CPU"
+    foot = (
+        f"\nDevice: {fig['device']} ({where}); {fig['parameters']:,} model parameters; total "
+        f"{fig['total_s']:.1f} s; FedAttr overhead (SA + scoring) / training: "
+        f"{100 * fig['overhead']:.1f}%"
+    )
+    return table(["stage", "seconds", "work", "throughput"], rows) + "\n" + foot

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..attribution.config import AttributionConfig
 from ..attribution.observer import AttributionObserver
 from ..attribution.protocol import FedAttr
@@ -166,6 +168,7 @@ def _finish(
             "clients": [c.to_dict() for c in rep.clients],
             "by_statistic": rep.to_dict()["by_statistic"],
         }
+    details = {**details, "work": dict(engine.timing.counts)}
     return RunResult(
         dataclasses.replace(cfg), primary.fedattr.report(truth), rounds, queries_of(primary.name),
         timing, engine.queries, primary.fedattr.null, details, list(baselines), variants,
@@ -195,6 +198,7 @@ def run_experiment(
     with timing.measure("teacher_s"):
         fed = build_federation(cfg.data, cfg.watermark, cfg.fl.K, cfg.fl.seed, model, tokenizer,
                                say)  # fmt: skip
+    timing.count("teacher_documents", sum(fed.wm_docs.values()))
     model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
     server, client = make_strategy(cfg.fl, cfg.lora)
     state = server.initial_state(model)
@@ -237,6 +241,11 @@ def run_experiment(
         "strategy": cfg.fl.strategy,
         "watermark": cfg.watermark.kind,
         "detector": cfg.watermark.detector,
+        "model": {
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "device": str(next(model.parameters()).device),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
     }
     baselines = recorder.results(truth) if cfg.baselines else []
     return _finish(cfg, engine, attribution, truth, details, baselines)

@@ -13,6 +13,7 @@ from ..secagg.base import SecureAggregator
 from .pool import ClientPool, PlaintextTap
 from .progress import Progress
 from .strategy import ClientStrategy
+from .timing import Stopwatch
 
 
 class InProcessPool(ClientPool):
@@ -61,6 +62,7 @@ class InProcessPool(ClientPool):
         sa: SecureAggregator,
         scales: dict[int, float],
         progress: Progress,
+        timing: Stopwatch | None = None,
     ) -> dict[int, float]:
         losses: dict[int, float] = {}
         if self._tap is not None:
@@ -77,6 +79,9 @@ class InProcessPool(ClientPool):
                 seed=self.seed * 100_003 + round_id * 101 + c,
             )
             losses[c] = stats["loss"]
+            if timing is not None:
+                timing.count("train_tokens", stats["tokens"])
+                timing.count("train_steps", stats["steps"])
             update = self.strategy.update(self.model, state)
             # Only the scaled update leaves the client, and only into secure aggregation.
             sa.submit(c, {k: v.detach().float().cpu() * scales[c] for k, v in update.items()})

@@ -18,6 +18,7 @@ from ..secagg.base import SecureAggregator
 from ..updates import Update
 from .aggregate import sa_scales
 from .progress import Progress
+from .timing import Stopwatch
 
 
 class PlaintextTap:
@@ -59,9 +60,11 @@ class ClientPool(ABC):
         sa: SecureAggregator,
         scales: dict[int, float],
         progress: Progress,
+        timing: Stopwatch | None = None,
     ) -> dict[int, float]:
         """Train every participant from ``state`` and submit ``scales[c] * Delta_c`` to ``sa``
-        (a round already open for ``participants``); returns per-client training losses."""
+        (a round already open for ``participants``); returns per-client training losses. Work
+        done (``train_tokens``, ``train_steps``) is added to ``timing``'s counters."""
 
     def open_tap(self) -> PlaintextTap:
         """A :class:`PlaintextTap` the pool fills every round; only in-process pools have one."""

@@ -14,9 +14,7 @@ attribution is measured without retraining.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,43 +25,7 @@ from ..updates import Update
 from .pool import ClientPool
 from .progress import Progress
 from .strategy import ServerStrategy
-
-
-class Stopwatch:
-    """Seconds per stage (``train_s``, ``sa_s``, ``scoring_s``, ...) and the run's elapsed time,
-    carried across a resume."""
-
-    def __init__(self, stages: Sequence[str] = ("train_s", "sa_s", "scoring_s")) -> None:
-        self.seconds: dict[str, float] = dict.fromkeys(stages, 0.0)
-        self._start = time.perf_counter()
-        self._offset = 0.0
-
-    @contextmanager
-    def measure(self, stage: str) -> Iterator[None]:
-        """Add the time spent in the ``with`` block to ``stage``."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(stage, time.perf_counter() - t0)
-
-    def add(self, stage: str, seconds: float) -> None:
-        """Add ``seconds`` to ``stage``."""
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
-
-    def elapsed(self) -> float:
-        """Seconds since the run started, earlier sessions of a resumed run included."""
-        return time.perf_counter() - self._start + self._offset
-
-    def state(self) -> dict:
-        """For checkpoints."""
-        return {"seconds": dict(self.seconds), "elapsed": self.elapsed()}
-
-    def load(self, state: Mapping) -> None:
-        """Add a checkpoint's stage times and elapsed time to this session's."""
-        for k, v in state["seconds"].items():
-            self.add(k, v)
-        self._offset += state["elapsed"]
+from .timing import Stopwatch
 
 
 @dataclass
@@ -233,7 +195,9 @@ class RoundEngine:
         scales = self.pool.scales(participants)
         sa.open_round(t, participants)
         with self.timing.measure("train_s"):
-            losses = self.pool.train_round(t, participants, self.state, sa, scales, self.progress)
+            losses = self.pool.train_round(
+                t, participants, self.state, sa, scales, self.progress, timing=self.timing
+            )
         # The round's aggregate first: training needs it whatever the release policy admits.
         with self.timing.measure("sa_s"):
             total, answered = sa.sum_of_available(participants)

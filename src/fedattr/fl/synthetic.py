@@ -29,6 +29,7 @@ from ..config import check_client_ids
 from ..secagg.base import SecureAggregator
 from .pool import ClientPool
 from .progress import Progress
+from .timing import Stopwatch
 
 
 @dataclass
@@ -139,6 +140,7 @@ class SyntheticPool(ClientPool):
         sa: SecureAggregator,
         scales: dict[int, float],
         progress: Progress,
+        timing: Stopwatch | None = None,
     ) -> dict[int, float]:
         updates = self.updates(round_id)
         for j in participants:

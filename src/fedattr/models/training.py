@@ -64,7 +64,8 @@ def train(
     seed: int = 0,
     on_step: Callable[[int, int, float], None] | None = None,
 ) -> dict[str, float]:
-    """Train ``params`` of ``model`` on ``examples``; returns mean loss and the step count."""
+    """Train ``params`` of ``model`` on ``examples``; returns the mean loss, the step count and
+    the tokens processed (padding excluded)."""
     if not examples:
         raise ValueError("train: no training examples")
     params = [p for p in params if p.requires_grad]
@@ -81,7 +82,7 @@ def train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup(total, warmup))
     device = next(model.parameters()).device
     model.train()
-    step, losses = 0, []
+    step, losses, tokens = 0, [], 0
     while step < total:
         order = rng.permutation(len(examples))
         for b in range(0, len(order), settings.batch_size):
@@ -94,6 +95,7 @@ def train(
             for m in range(0, len(batch), settings.micro_batch_size):
                 micro = collate(batch[m : m + settings.micro_batch_size], pad_id)
                 micro = {k: v.to(device) for k, v in micro.items()}
+                tokens += int(micro["attention_mask"].sum())
                 logits = model(
                     input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]
                 ).logits
@@ -113,4 +115,4 @@ def train(
             losses.append(batch_loss)
             if on_step is not None:
                 on_step(step, total, batch_loss)
-    return {"loss": float(np.mean(losses)), "steps": float(step)}
+    return {"loss": float(np.mean(losses)), "steps": float(step), "tokens": float(tokens)}

@@ -7,7 +7,10 @@ to :data:`BACKENDS` and nothing else.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+import torch
 
 from .base import SecureAggregator
 from .errors import SecAggError
@@ -37,8 +40,12 @@ class SecAggConfig:
     """Fixed-point fractional bits (resolution 2^-(frac_bits+1))."""
     clip: float = 1024.0
     """Largest allowed |coordinate| of an update; larger is an error, not a silent clip."""
-    prg: str = "aes-ctr"
-    """Mask generator: ``aes-ctr`` or ``chacha20``."""
+    prg: str = "chacha20"
+    """Mask generator: ``chacha20`` (any device; OpenSSL on the CPU, torch elsewhere, the same
+    bits) or ``aes-ctr`` (CPU only)."""
+    device: str = "auto"
+    """Where masking, shares and sums are computed: ``cpu``, ``cuda``, ``cuda:N``, or ``auto``
+    (``cuda`` when torch sees a GPU, else ``cpu``). Answers are the same on every device."""
     dropout: float = 0.0
     """pairwise-mask only: chance that a member fails to answer a given query (simulated
     network failure, seeded); the query then fails and releases nothing."""
@@ -66,6 +73,26 @@ class SecAggConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise SecAggError(f"secagg.dropout: must be in [0, 1), got {self.dropout}")
         self.codec()  # validates ring_bits, frac_bits and clip together
+        device = self.torch_device()
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise SecAggError(
+                f"secagg.device={self.device}: torch sees no CUDA device here; allowed: cpu, auto"
+            )
+        if device.type != "cpu" and self.prg != "chacha20":
+            raise SecAggError(
+                f"secagg.prg={self.prg} runs on the CPU only; with secagg.device={self.device} "
+                "allowed: chacha20"
+            )
+
+    def torch_device(self) -> torch.device:
+        """The resolved :attr:`device`."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
+            raise SecAggError(
+                f"secagg.device: unknown {self.device!r}; allowed: cpu, cuda, cuda:N, auto"
+            )
+        return torch.device(self.device)
 
     def codec(self) -> FixedPointCodec:
         """The fixed-point codec these settings describe."""

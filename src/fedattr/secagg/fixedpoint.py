@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .errors import SecAggError
 
-_UNSIGNED = {32: np.uint32, 64: np.uint64}
-_SIGNED = {32: np.int32, 64: np.int64}
+_RING = {32: torch.int32, 64: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class FixedPointCodec:
     clip: float = 1024.0
 
     def __post_init__(self) -> None:
-        if self.ring_bits not in _UNSIGNED:
+        if self.ring_bits not in _RING:
             raise SecAggError(f"ring_bits: must be 32 or 64, got {self.ring_bits}")
         if not 0 <= self.frac_bits < self.ring_bits - 1:
             raise SecAggError(
@@ -52,9 +52,9 @@ class FixedPointCodec:
         return float(2**self.frac_bits)
 
     @property
-    def dtype(self) -> type[np.unsignedinteger]:
-        """NumPy dtype of ring elements (arithmetic wraps modulo ``2**ring_bits``)."""
-        return _UNSIGNED[self.ring_bits]
+    def dtype(self) -> torch.dtype:
+        """torch dtype of ring elements (arithmetic wraps modulo ``2**ring_bits``)."""
+        return _RING[self.ring_bits]
 
     @property
     def itemsize(self) -> int:
@@ -80,16 +80,16 @@ class FixedPointCodec:
                 f"frac_bits or clip, or use ring_bits=64"
             )
 
-    def check(self, values: np.ndarray) -> np.ndarray:
-        """``values`` as float64, after checking that :meth:`encode` accepts them.
+    def check(self, values: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """``values`` as a float64 tensor, after checking that :meth:`encode` accepts them.
 
         Raises :class:`SecAggError` for non-finite values or values above ``clip`` (the
         plaintext backend calls this too, so every backend refuses the same updates).
         """
-        values = np.asarray(values, dtype=np.float64)
-        if not np.all(np.isfinite(values)):
+        values = torch.as_tensor(values).to(torch.float64)
+        if not bool(torch.isfinite(values).all()):
             raise SecAggError("update: contains NaN or infinite values; refusing to encode")
-        peak = float(np.max(np.abs(values))) if values.size else 0.0
+        peak = float(values.abs().max()) if values.numel() else 0.0
         if peak > self.clip:
             raise SecAggError(
                 f"update: a coordinate of magnitude {peak:.6g} exceeds the fixed-point clip bound "
@@ -98,17 +98,18 @@ class FixedPointCodec:
             )
         return values
 
-    def encode(self, values: np.ndarray) -> np.ndarray:
-        """Encode float ``values`` into ring elements.
+    def encode(
+        self, values: np.ndarray | torch.Tensor, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Encode float ``values`` into ring elements on ``device`` (default: where they are).
 
         Raises :class:`SecAggError` for non-finite values or values above ``clip``.
         """
-        values = self.check(values)
-        scaled = np.rint(values * self.scale).astype(np.int64)
-        # int64 -> uint64 is a reinterpretation; int64 -> uint32 wraps modulo 2**32 as wanted.
-        return scaled.view(np.uint64) if self.ring_bits == 64 else scaled.astype(np.uint32)
+        values = torch.as_tensor(values)
+        values = self.check(values.to(device) if device is not None else values)
+        # |values| * scale < 2**(b-1) (checked at construction), so the rounded integer fits.
+        return torch.round(values * self.scale).to(torch.int64).to(self.dtype)
 
-    def decode(self, ring: np.ndarray) -> np.ndarray:
-        """Decode ring elements (a sum of encodings) back to float64."""
-        signed = ring.view(_SIGNED[self.ring_bits])
-        return signed.astype(np.float64) / self.scale
+    def decode(self, ring: torch.Tensor) -> np.ndarray:
+        """Decode ring elements (a sum of encodings) back to a float64 NumPy vector."""
+        return (ring.to(torch.float64) / self.scale).cpu().numpy()

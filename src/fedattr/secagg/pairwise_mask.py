@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -33,7 +34,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from .base import SecureAggregator
 from .errors import QueryFailed, SecAggError
 from .fixedpoint import FixedPointCodec
-from .prg import PRG_NAMES, expand
+from .prg import PRG_NAMES, masks
 
 if TYPE_CHECKING:
 
@@ -54,13 +55,16 @@ def pair_seed(shared_secret: bytes, round_id: int, query_id: int, a: int, b: int
 class MaskingClient:
     """A client's side of the protocol: its private key and its encoded update."""
 
-    def __init__(self, client_id: int, codec: FixedPointCodec, prg: str) -> None:
+    def __init__(
+        self, client_id: int, codec: FixedPointCodec, prg: str, device: torch.device
+    ) -> None:
         self.client_id = client_id
         self._codec = codec
         self._prg = prg
+        self._device = device
         self._private = X25519PrivateKey.generate()
         self._secrets: dict[int, bytes] = {}
-        self._encoded: np.ndarray | None = None
+        self._encoded: torch.Tensor | None = None
 
     @property
     def public_key(self) -> bytes:
@@ -69,7 +73,7 @@ class MaskingClient:
 
     def hold(self, flat: np.ndarray) -> None:
         """Encode and keep this round's update (it never leaves the client unmasked)."""
-        self._encoded = self._codec.encode(flat)
+        self._encoded = self._codec.encode(flat, self._device)
 
     def masked_input(
         self,
@@ -78,7 +82,7 @@ class MaskingClient:
         members: Sequence[int],
         public_keys: dict[int, bytes],
         coefficient: int = 1,
-    ) -> np.ndarray:
+    ) -> torch.Tensor:
         """The client's upload for one query over ``members`` (which must include it).
 
         ``coefficient`` scales the encoded update in the ring (exact for integers, negative
@@ -88,17 +92,21 @@ class MaskingClient:
             raise SecAggError(f"client {self.client_id} holds no update this round")
         if self.client_id not in members:
             raise SecAggError(f"client {self.client_id} was asked to join a query it is not in")
-        ring = self._encoded.dtype.type
-        y = self._encoded * ring(coefficient % (1 << (8 * self._codec.itemsize)))
-        for other in members:
-            if other == self.client_id:
-                continue
+        # Integer scaling in the ring: wrapping multiplication by a signed coefficient is
+        # multiplication by its residue modulo 2^b.
+        y = self._encoded * coefficient
+        others = [k for k in members if k != self.client_id]
+        seeds = []
+        for other in others:
             secret = self._secrets.get(other)
             if secret is None:
                 peer = X25519PublicKey.from_public_bytes(public_keys[other])
                 secret = self._secrets[other] = self._private.exchange(peer)
-            seed = pair_seed(secret, round_id, query_id, self.client_id, other)
-            mask = expand(seed, y.size, self._codec.dtype, self._prg)
+            seeds.append(pair_seed(secret, round_id, query_id, self.client_id, other))
+        for other, mask in zip(
+            others, masks(seeds, y.numel(), self._codec.dtype, self._prg, self._device),
+            strict=True,
+        ):
             if self.client_id < other:
                 y += mask
             else:
@@ -117,17 +125,20 @@ class PairwiseMaskServer:
         round_id: int,
         query_id: int,
         members: tuple[int, ...],
-        collect: Callable[..., np.ndarray],
-    ) -> tuple[np.ndarray, int]:
+        collect: Callable[..., torch.Tensor],
+    ) -> tuple[torch.Tensor, int]:
         """Announce the query, collect every member's masked upload, return their ring sum.
 
         The server never sees coefficients applied: each member scales its own input."""
-        total: np.ndarray | None = None
+        total: torch.Tensor | None = None
         moved = 0
         for j in members:
             y = collect(j, round_id, query_id, members, self.public_keys)
-            moved += y.nbytes
-            total = y.copy() if total is None else total + y
+            moved += y.numel() * y.element_size()
+            if total is None:
+                total = y
+            else:
+                total += y
         assert total is not None
         return total, moved
 
@@ -142,11 +153,13 @@ class PairwiseMaskAggregator(SecureAggregator):
         min_members: int = 2,
         codec: FixedPointCodec | None = None,
         release_budget: float | None = None,
-        prg: str = "aes-ctr",
+        prg: str = "chacha20",
         dropout: float = 0.0,
         seed: int = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__(min_members, codec, release_budget)
+        self.device = torch.device(device)
         if not 0.0 <= dropout < 1.0:
             raise SecAggError(f"dropout: must be in [0, 1), got {dropout}")
         self.dropout = dropout
@@ -164,11 +177,16 @@ class PairwiseMaskAggregator(SecureAggregator):
 
     @classmethod
     def _options(cls, config: SecAggConfig) -> dict:
-        return {"prg": config.prg, "dropout": config.dropout, "seed": config.seed}
+        return {
+            "prg": config.prg, "dropout": config.dropout, "seed": config.seed,
+            "device": config.torch_device(),
+        }  # fmt: skip
 
     def _start_round(self, round_id, client_ids) -> None:
         # Fresh key pairs every round (forward secrecy between rounds, as in Bonawitz et al.).
-        self._parties = {c: MaskingClient(c, self.codec, self.prg) for c in client_ids}
+        self._parties = {
+            c: MaskingClient(c, self.codec, self.prg, self.device) for c in client_ids
+        }
         self.server.public_keys = {c: p.public_key for c, p in self._parties.items()}
         self._client_policy = self._policy
         self._policy = None  # the server-side object enforces nothing
@@ -189,11 +207,13 @@ class PairwiseMaskAggregator(SecureAggregator):
     def _receive(self, client_id: int, flat: np.ndarray) -> None:
         self._parties[client_id].hold(flat)
 
-    def _collect(self, client_id, round_id, query_id, members, public_keys) -> np.ndarray:
+    def _collect(self, client_id, round_id, query_id, members, public_keys) -> torch.Tensor:
         start = time.perf_counter()
         y = self._parties[client_id].masked_input(
             round_id, query_id, members, public_keys, self._coefs.get(client_id, 1)
         )
+        if y.device.type == "cuda":
+            torch.cuda.synchronize(y.device)  # the client's time includes its kernels
         self._client_seconds.append(time.perf_counter() - start)
         return y
 

@@ -4,13 +4,22 @@ A keystream of a stream cipher under a fresh key is indistinguishable from unifo
 uniform bytes read as ``b``-bit integers are uniform in ``Z_{2^b}``: exactly what one-time
 masks in the ring need. Each seed is used for one expansion only (keys are derived per query),
 so a fixed all-zero nonce is safe.
+
+:func:`masks` hands the ring elements to the secure-aggregation backends as torch tensors on
+the update's device: on the CPU from OpenSSL (through ``cryptography``), elsewhere from the
+torch ChaCha20 of :mod:`.chacha20`, which is bit-exact with it, so a mask does not depend on
+where it was computed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from .chacha20 import keystream
 from .errors import SecAggError
 
 PRG_NAMES = ("aes-ctr", "chacha20")
@@ -26,9 +35,7 @@ def _cipher(name: str, seed: bytes) -> Cipher:
     raise SecAggError(f"prg: unknown generator {name!r}; allowed: {', '.join(PRG_NAMES)}")
 
 
-def expand(
-    seed: bytes, count: int, dtype: type[np.unsignedinteger], prg: str = "aes-ctr"
-) -> np.ndarray:
+def expand(seed: bytes, count: int, dtype: type[np.integer], prg: str = "chacha20") -> np.ndarray:
     """``count`` uniform ring elements of ``dtype`` from the keystream of ``prg`` under ``seed``."""
     if len(seed) != 32:
         raise SecAggError(f"prg seed must be 32 bytes, got {len(seed)}")
@@ -42,3 +49,25 @@ def expand(
         enc.update_into(zeros[:step], out[done : done + step + 15])
         done += step
     return out[:nbytes].view(dtype)
+
+
+_NUMPY_RING = {torch.int32: np.int32, torch.int64: np.int64}
+_OPENSSL_ON_CPU = True  # tests switch it off to run the device code path on the CPU
+
+
+def masks(
+    seeds: Sequence[bytes], count: int, dtype: torch.dtype, prg: str, device: torch.device
+) -> list[torch.Tensor]:
+    """One vector of ``count`` uniform ring elements (``dtype``) per seed, on ``device``."""
+    device = torch.device(device)
+    if device.type == "cpu" and _OPENSSL_ON_CPU:
+        np_dtype = _NUMPY_RING[dtype]
+        return [torch.from_numpy(expand(s, count, np_dtype, prg)) for s in seeds]
+    if prg != "chacha20":
+        raise SecAggError(
+            f"secagg.prg={prg} runs on the CPU only; allowed with secagg.device={device}: chacha20"
+        )
+    if not seeds:
+        return []
+    stream = keystream(seeds, count * torch.empty((), dtype=dtype).element_size(), device)
+    return list(stream.view(dtype))

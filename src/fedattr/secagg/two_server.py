@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-import numpy as np
+import torch
 
 from .base import SecureAggregator
 from .errors import QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
 from .policy import SessionLedgers
-from .prg import PRG_NAMES, expand
+from .prg import PRG_NAMES, masks
 
 if TYPE_CHECKING:
 
@@ -31,7 +31,7 @@ class ShareHolder:
     def __init__(self, label: str, min_members: int) -> None:
         self.label = label
         self.min_members = min_members
-        self.shares: dict[int, np.ndarray] = {}
+        self.shares: dict[int, torch.Tensor] = {}
         self.policy: SessionLedgers | None = None
 
     def authorize(self, members: tuple[int, ...], coefs: tuple[int, ...]) -> None:
@@ -49,19 +49,21 @@ class ShareHolder:
 
     def partial_sum(
         self, members: tuple[int, ...], coefs: tuple[int, ...] | None = None
-    ) -> np.ndarray:
+    ) -> torch.Tensor:
         """Ring combination of this aggregator's shares over ``members``, after its checks."""
         coefs = coefs or (1,) * len(members)
         self.authorize(members, coefs)
         return self.release(members, coefs)
 
-    def release(self, members: tuple[int, ...], coefs: tuple[int, ...]) -> np.ndarray:
+    def release(self, members: tuple[int, ...], coefs: tuple[int, ...]) -> torch.Tensor:
         """Compute and record a combination already authorised by :meth:`authorize`."""
-        dtype = self.shares[members[0]].dtype
-        total = np.zeros_like(self.shares[members[0]])
+        total = torch.zeros_like(self.shares[members[0]])
         for j, c in zip(members, coefs, strict=True):
-            # Integer scaling in the ring; c mod 2^b encodes negative coefficients.
-            total += self.shares[j] * dtype.type(c % (1 << (8 * dtype.itemsize)))
+            # Integer scaling in the ring (wrapping multiplication by a signed coefficient).
+            if c == 1:
+                total += self.shares[j]
+            else:
+                total += self.shares[j] * c
         if self.policy is not None:
             self.policy.record(dict(zip(members, coefs, strict=True)))
         return total
@@ -77,9 +79,11 @@ class TwoServerAggregator(SecureAggregator):
         min_members: int = 2,
         codec: FixedPointCodec | None = None,
         release_budget: float | None = None,
-        prg: str = "aes-ctr",
+        prg: str = "chacha20",
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__(min_members, codec, release_budget)
+        self.device = torch.device(device)
         if prg not in PRG_NAMES:
             raise SecAggError(f"prg: unknown generator {prg!r}; allowed: {', '.join(PRG_NAMES)}")
         self.prg = prg
@@ -88,12 +92,12 @@ class TwoServerAggregator(SecureAggregator):
 
     @classmethod
     def _options(cls, config: SecAggConfig) -> dict:
-        return {"prg": config.prg}
+        return {"prg": config.prg, "device": config.torch_device()}
 
-    def _receive(self, client_id: int, flat: np.ndarray) -> None:
-        encoded = self.codec.encode(flat)
+    def _receive(self, client_id: int, flat) -> None:
+        encoded = self.codec.encode(flat, self.device)
         seed = os.urandom(32)  # fresh per client and round; never reused
-        mask = expand(seed, encoded.size, self.codec.dtype, self.prg)
+        (mask,) = masks([seed], encoded.numel(), self.codec.dtype, self.prg, self.device)
         # Aggregator A receives only the seed; its own expansion of it is exactly `mask`, so the
         # simulation hands it the array instead of running the same PRG a second time.
         self.aggregator_a.shares[client_id] = mask
@@ -122,7 +126,8 @@ class TwoServerAggregator(SecureAggregator):
         # Both aggregators authorised the query in _authorize: neither computes unless both agree.
         part_a = self.aggregator_a.release(members, coefs)
         part_b = self.aggregator_b.release(members, coefs)
-        return self.codec.decode(part_a + part_b), part_a.nbytes + part_b.nbytes, 0.0
+        moved = 2 * part_a.numel() * part_a.element_size()
+        return self.codec.decode(part_a + part_b), moved, 0.0
 
     def _drop_round(self) -> None:
         self.aggregator_a.shares = {}

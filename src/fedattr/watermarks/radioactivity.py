@@ -16,6 +16,7 @@ import torch
 
 from ..models.text import Example, collate, generate
 from .kgw import KGWDetector, KGWScheme
+from .nullkeys import RandomGreenLists
 
 
 class KGWModelScorer:
@@ -175,36 +176,32 @@ class KGWReadingScorer:
         """The green mass the change moved, ``<D, green - m/V>`` (the numerator of
         :meth:`contrast`, linear in small changes), under every owner's key and under ``n``
         fresh random keys (the same for every owner): the key-randomisation null."""
-        change = (candidate - reference).float()
-        drift = self._green_share * float(change.sum(dtype=torch.float64))
-        green = self._green_on(change.device)
-        owners = {
-            name: float(change[g].sum(dtype=torch.float64)) - drift for name, g in green.items()
-        }
-        flat = change.reshape(-1)
-        index = self._null_index(n, seed, change.device)
-        null = (flat[index].sum(dim=(1, 2), dtype=torch.float64) - drift).cpu().numpy()
-        return {name: (value, null) for name, value in owners.items()}
+        return self.key_statistics_many(reference, [candidate], n, seed)[0]
 
-    def _null_index(self, n: int, seed: int, device: torch.device) -> torch.Tensor:
-        """``[n, contexts, green]`` flat indices of ``n`` random keys' green lists (cached)."""
-        cached = getattr(self, "_null", None)
-        if cached is None or cached[0] != (n, seed):
-            rng = np.random.default_rng([seed, 0x4E55])
-            keys = [int(k) for k in rng.integers(2**62, size=n)]
-            base = torch.arange(len(self.contexts)).unsqueeze(1) * self.vocab
-            gamma = self._green_share
-            index = torch.stack([
-                base + torch.stack([
-                    KGWScheme(k, self.vocab, gamma).green_ids(int(x))
-                    for x in self.contexts.tolist()
-                ])
-                for k in keys
-            ])  # fmt: skip
-            cached = self._null = ((n, seed), index)
-        if cached[1].device != device:
-            self._null = (cached[0], cached[1].to(device))
-        return self._null[1]
+    def key_statistics_many(
+        self, reference: torch.Tensor, candidates: Sequence[torch.Tensor], n: int, seed: int
+    ) -> list[dict[str, tuple[float, np.ndarray]]]:
+        """:meth:`key_statistics` of several candidates in one pass over the null keys."""
+        changes = torch.stack([(c - reference).float().reshape(-1) for c in candidates])
+        drift = self._green_share * changes.sum(1, dtype=torch.float64)
+        green = self._green_on(changes.device)
+        owners = {
+            name: (changes[:, g.reshape(-1)].sum(1, dtype=torch.float64) - drift).tolist()
+            for name, g in green.items()
+        }
+        null = (self._null_keys(n, seed, changes.device).sums(changes) - drift[:, None]).cpu()
+        return [
+            {name: (values[i], null[i].numpy()) for name, values in owners.items()}
+            for i in range(len(candidates))
+        ]
+
+    def _null_keys(self, n: int, seed: int, device: torch.device) -> RandomGreenLists:
+        """The ``n`` random keys of ``seed`` over this scorer's contexts (kept between rounds)."""
+        keys = getattr(self, "_null", None)
+        if keys is None or (keys.n, keys.seed, keys.device) != (n, seed, device):
+            cells = len(self.contexts) * self.vocab
+            keys = self._null = RandomGreenLists(n, seed, cells, self._green_share, device)
+        return keys
 
     def effective_contexts(self, reference: torch.Tensor, candidate: torch.Tensor) -> float:
         """How many contexts the change is spread over, ``(sum ||D[x]||^2)^2 / sum ||D[x]||^4``:

@@ -1,0 +1,76 @@
+"""Fresh random green lists for the key-randomisation null of the KGW reading test.
+
+The calibrated statistic compares the green mass a change moved under the owner's key with the
+same quantity under ``n`` keys that never watermarked anything. Materialising ``n`` KGW keys'
+green-list indices costs ``n * contexts * gamma * vocab`` integers (59 GB for 200 keys on
+SmolLM2's 49,152-token vocabulary), so the null keys here are drawn directly as green masks:
+every (key, context, token) is green independently with probability ``gamma``.
+
+Under the null (a change independent of the key) that statistic ``<D, G - gamma>`` has mean 0
+and variance ``gamma (1 - gamma) sum D^2``; an owner's fixed-size KGW list gives variance
+``m (V - m) / (V (V - 1)) sum D^2`` for rows of ``D`` that sum to zero: the same up to a factor
+``V / (V - 1)`` (1.0005 at V = 2,048), far below the resolution of any p-value reported.
+
+The masks come from a seeded generator on the change's device, one generator per chunk of
+keys, so the same ``(n, seed)`` gives the same keys in every round (the calibrated statistic
+sums each null key over rounds) whether or not they are cached. CPU and CUDA generators draw
+different streams: the keys, and so the last digits of a p-value, depend on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CHUNK = 16  # keys per generator and per matrix product
+_CACHE_BYTES = 512 << 20  # keep the masks when they fit (bool bytes), else redraw each round
+
+
+class RandomGreenLists:
+    """``n`` random keys' green masks over ``rows x vocab`` (context, token) cells.
+
+    :meth:`sums` evaluates ``<change, mask_k>`` for a batch of flat changes and every key ``k``
+    in one pass over the masks (cached when ``n * rows * vocab`` bytes fit ``cache_bytes``).
+    """
+
+    def __init__(
+        self,
+        n: int,
+        seed: int,
+        cells: int,
+        gamma: float,
+        device: torch.device | str = "cpu",
+        cache_bytes: int = _CACHE_BYTES,
+    ) -> None:
+        if n < 1:
+            raise ValueError(f"attribution.null_keys: must be >= 1, got {n}")
+        self.n = n
+        self.seed = seed
+        self.cells = cells
+        self.gamma = gamma
+        self.device = torch.device(device)
+        self._cached = n * cells <= cache_bytes
+        self._masks: list[torch.Tensor] = []
+
+    def _chunk(self, index: int) -> torch.Tensor:
+        """Bool masks ``[keys, cells]`` of chunk ``index`` (keys ``index*16 ...``)."""
+        if self._cached and index < len(self._masks):
+            return self._masks[index]
+        keys = min(_CHUNK, self.n - index * _CHUNK)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed((self.seed * 1_000_003 + index) % (1 << 63))
+        mask = torch.rand((keys, self.cells), generator=gen, device=self.device) < self.gamma
+        if self._cached:
+            self._masks.append(mask)
+        return mask
+
+    def sums(self, changes: torch.Tensor) -> torch.Tensor:
+        """``[batch, n]`` float64: each flat change (``[batch, cells]``) summed over every
+        key's green cells."""
+        if changes.dim() != 2 or changes.shape[1] != self.cells:
+            raise ValueError(f"changes: expected [batch, {self.cells}], got {tuple(changes.shape)}")
+        values = changes.to(self.device, torch.float32).T.contiguous()
+        out = []
+        for index in range((self.n + _CHUNK - 1) // _CHUNK):
+            mask = self._chunk(index)
+            out.append((mask.to(torch.float32) @ values).T)
+        return torch.cat(out, dim=1).double()
