@@ -128,6 +128,24 @@ def _cmd_experiment_calibration(args: argparse.Namespace) -> int:
     return _experiment(lambda say: run_calibration(spec, out, say), out, "calibration.md")
 
 
+def _cmd_experiment_sweep(args: argparse.Namespace) -> int:
+    from .experiments.sweep import SweepSpec, parse_grid, run_sweep
+
+    grid = parse_grid(args.grid)
+    spec = SweepSpec(grid, _parse_seeds(args.seeds), args.preset, args.config, args.set)
+    out = args.out or "runs/sweep-" + "-".join(a.label.rsplit(".", 1)[-1] for a in grid)
+    return _experiment(lambda say: run_sweep(spec, out, say), out, "table.md")
+
+
+def _cmd_experiment_table(args: argparse.Namespace) -> int:
+    from .experiments.sweep import run_sweep
+    from .experiments.tables import table_spec
+
+    spec = table_spec(args.name, _parse_seeds(args.seeds), args.preset, args.config, args.set)
+    out = args.out or f"runs/table-{args.name}-{args.preset}"
+    return _experiment(lambda say: run_sweep(spec, out, say), out, "table.md")
+
+
 def _cmd_experiment_main(args: argparse.Namespace) -> int:
     from .experiments.main import MainSpec, run_main
 
@@ -310,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=_cmd_run)
 
-    exp = sub.add_parser("experiment", help="the paper's Table 1 (main) and Figure 2 (mechanism)")
+    exp = sub.add_parser(
+        "experiment", help="Table 1 (main), Figure 2 (mechanism), calibration, sweeps"
+    )
     exp_sub = exp.add_subparsers(dest="experiment", required=True)
     em = exp_sub.add_parser(
         "main", help="{FedIT, FLoRA} x {KGW, FK} x seeds: FedAttr and the baselines (resumable)"
@@ -333,7 +353,27 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--r", default="0,3", help="watermarked clients per run (default 0,3)")
     cal.add_argument("--out", help="experiment folder (default runs/calibration-<bed>)")
     cal.set_defaults(func=_cmd_experiment_calibration)
-    for sp in (em, mech, cal):
+    sw = exp_sub.add_parser(
+        "sweep",
+        help="any configuration keys, their cross product, one table and a plot per key; "
+        "attribution-only keys share one training run (resumable)",
+    )
+    sw.add_argument("--grid", action="append", default=[], metavar="KEY=v1,v2,...",
+                    help="a key and its values (repeatable: the cross product is swept)")
+    sw.add_argument("--seeds", default="0", help="seeds: 1,2,3 or 0-4 (default 0)")
+    sw.add_argument("--preset", default="tiny", help="tiny (default, CPU) or smollm2 (GPU)")
+    sw.add_argument("--out", help="experiment folder (default runs/sweep-<keys>)")
+    sw.set_defaults(func=_cmd_experiment_sweep)
+    tb = exp_sub.add_parser(
+        "table", help="a named table of the paper (prevalence, subset-size, queries, ratio, "
+        "lora-rank, noniid, scalability, partial, noniid-recovery) as a sweep (resumable)",
+    )  # fmt: skip
+    tb.add_argument("name", metavar="NAME", help="which table")
+    tb.add_argument("--seeds", default="0", help="seeds: 1,2,3 or 0-4 (default 0)")
+    tb.add_argument("--preset", default="tiny", help="tiny (default, CPU) or smollm2 (GPU)")
+    tb.add_argument("--out", help="experiment folder (default runs/table-<name>-<preset>)")
+    tb.set_defaults(func=_cmd_experiment_table)
+    for sp in (em, mech, cal, sw, tb):
         sp.add_argument("--config", help="a .json or .toml file applied to every run")
         sp.add_argument(
             "--set", action="append", default=[], metavar="KEY=VALUE",

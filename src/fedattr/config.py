@@ -124,7 +124,8 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
-def _parse_scalar(text: str) -> Any:
+def parse_scalar(text: str) -> Any:
+    """A ``--set`` value: JSON when it parses (numbers, booleans, lists), else the string."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -144,7 +145,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {part} is a value, not a section")
-        node[parts[-1]] = _parse_scalar(raw.strip())
+        node[parts[-1]] = parse_scalar(raw.strip())
     return out
 
 

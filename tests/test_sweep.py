@@ -1,0 +1,103 @@
+"""``fedattr experiment sweep`` on micro runs of the tiny model."""
+
+import json
+
+import pytest
+
+from conftest import small_overrides as _small
+from fedattr.cli import main
+from fedattr.errors import UserError
+from fedattr.experiments.sweep import SweepSpec, parse_grid
+
+
+def test_grid_parsing_and_grouping():
+    grid = parse_grid(["attribution.M=2,3", "watermark.r=0,1"])
+    assert [(a.label, [v for v, _ in a.values]) for a in grid] == [
+        ("attribution.M", ["2", "3"]), ("watermark.r", ["0", "1"])
+    ]
+    assert grid[0].values[1] == ("3", {"attribution.M": "3"})
+    spec = SweepSpec(grid, seeds=[0])
+    assert len(spec.points) == 4
+    # Attribution-only keys never split a training run; attribution.mode does (one release
+    # policy per run).
+    assert sorted(spec.groups()) == ["watermark.r=0", "watermark.r=1"]
+    assert all(len(m) == 2 for m in spec.groups().values())
+    assert len(SweepSpec(parse_grid(["attribution.mode=paper,hardened"])).groups()) == 2
+    for bad, msg in [([], "at least one"), (["M"], "expected KEY=v1"), (["a.b="], "expected"),
+                     (["a.b=1", "a.b=2"], "given twice"), (["a.b=1,1"], "repeated")]:  # fmt: skip
+        with pytest.raises(UserError, match=msg):
+            parse_grid(bad)
+    with pytest.raises(UserError, match="--preset"):
+        SweepSpec(grid, preset="huge")
+
+
+def test_micro_sweep_trains_once_per_training_point_and_resumes(tiny_cache, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    args = ["experiment", "sweep", "--grid", "attribution.M=2,3", "--grid", "watermark.r=0,1",
+            "--out", str(out)]  # fmt: skip
+    for s in _small(tiny_cache, "fl.rounds=1"):
+        args += ["--set", s]
+    assert main(args) == 0
+    runs = sorted(p.name for p in out.iterdir() if p.is_dir())
+    assert runs == ["watermark.r=0_seed0", "watermark.r=1_seed0"]  # 4 points, 2 trainings
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["training_runs"] == 2 and len(summary["points"]) == 4
+    by = {(p["values"]["attribution.M"], p["values"]["watermark.r"]): p for p in summary["points"]}
+    # M=3 asks more SA queries than M=2 on the very same training run.
+    for r in ("0", "1"):
+        assert by[("3", r)]["sa_queries"] > by[("2", r)]["sa_queries"]
+        assert by[("3", r)]["runs"] == by[("2", r)]["runs"]
+        assert by[("3", r)]["run_s"] == by[("2", r)]["run_s"]
+    assert by[("2", "0")]["tpr"] is None and by[("2", "1")]["tpr"] in (0.0, 1.0)
+    res = json.loads((out / "watermark.r=1_seed0" / "results.json").read_text())
+    assert set(res["variants"]) == {"M=3"}
+    table = (out / "table.md").read_text()
+    assert table.count("\n| ") == 5  # header + 4 points
+    assert (out / "table.csv").read_text().count("\n") == 5
+    for key in ("attribution.M", "watermark.r"):
+        assert (out / f"plot-{key}.png").read_bytes()[:4] == b"\x89PNG"
+    # Re-running keeps the finished runs (nothing retrained) and writes the same summary.
+    stamp = (out / "watermark.r=1_seed0" / "results.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(args) == 0
+    assert (out / "watermark.r=1_seed0" / "results.json").stat().st_mtime_ns == stamp
+    assert json.loads((out / "results.json").read_text()) == summary
+    # Another configuration into the same folder is refused with one line.
+    assert main([*args, "--set", "fl.train.lr=7e-4"]) == 2
+    assert "another configuration" in capsys.readouterr().err
+
+
+def test_named_tables_resolve_and_their_extra_columns():
+    from fedattr.config import load
+    from fedattr.experiments.config import RunConfig
+    from fedattr.experiments.tables import TABLES, table_spec
+
+    for name in TABLES:  # every preset builds valid configurations before any work
+        spec = table_spec(name, [0])
+        for members in spec.groups().values():
+            spec.run_config(members, 0)
+    sizes = table_spec("subset-size", [0])
+    assert len(sizes.groups()) == 1  # N is attribution-only: one training run, 6 observers
+    assert sizes.extra["variance factor"]({"attribution.N": "5"}, RunConfig()) == "2.50"
+    partial = table_spec("partial", [0])
+    cfg = load(RunConfig, None, ["fl.K=20", "fl.rounds=10", "fl.participation=0.5"])
+    assert partial.extra["E|T_i|"]({}, cfg) == "5.0"
+    scal = table_spec("scalability", [0])
+    assert len(scal.points) == 8 and len(scal.groups()) == 4  # fixed and proportional N share
+    with pytest.raises(UserError, match="allowed: prevalence"):
+        table_spec("table-9", [0])
+
+
+def test_micro_named_table(tiny_cache, tmp_path, capsys):
+    out = tmp_path / "queries"
+    args = ["experiment", "table", "queries", "--out", str(out)]
+    for s in _small(tiny_cache, "fl.rounds=1"):
+        args += ["--set", s]
+    assert main(args) == 0
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["name"] == "queries" and summary["training_runs"] == 1
+    queries = [p["sa_queries"] for p in summary["points"]]
+    assert queries == sorted(queries) and len(queries) == 5  # 2MK grows with M
+    assert "Queries per side M" in (out / "table.md").read_text()
+    assert main(["experiment", "table", "nope"]) == 2
+    assert "allowed: prevalence" in capsys.readouterr().err
