@@ -7,6 +7,8 @@ Federated code never touches modules directly: it reads and writes named tensors
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .config import LoRAConfig
@@ -26,7 +28,12 @@ def attach_lora(model, cfg: LoRAConfig, seed: int = 0):
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, peft_cfg)
+        with warnings.catch_warnings():
+            # peft reads transformers' deprecated alias while wrapping; nothing for users to do.
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+            )
+            return get_peft_model(model, peft_cfg)
     except ValueError as exc:
         raise ValueError(f"lora.target_modules: {exc}") from exc
 
