@@ -31,9 +31,9 @@ def test_torch_chacha20_is_bit_exact_with_openssl():
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_masks_are_the_same_bits_from_openssl_and_torch(monkeypatch, dtype):
     seeds = [bytes([i]) * 32 for i in range(3)]
-    cpu = masks(seeds, 1001, dtype, "chacha20", torch.device("cpu"))
+    cpu = list(masks(seeds, 1001, dtype, "chacha20", torch.device("cpu")))
     monkeypatch.setattr(prg_module, "_OPENSSL_ON_CPU", False)
-    dev = masks(seeds, 1001, dtype, "chacha20", torch.device("cpu"))
+    dev = list(masks(seeds, 1001, dtype, "chacha20", torch.device("cpu")))
     assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(cpu, dev, strict=True))
     with pytest.raises(SecAggError, match=r"allowed with secagg\.device=meta: chacha20"):
         masks(seeds, 10, dtype, "aes-ctr", torch.device("meta"))

@@ -13,7 +13,7 @@ where it was computed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -57,12 +57,15 @@ _OPENSSL_ON_CPU = True  # tests switch it off to run the device code path on the
 
 def masks(
     seeds: Sequence[bytes], count: int, dtype: torch.dtype, prg: str, device: torch.device
-) -> list[torch.Tensor]:
-    """One vector of ``count`` uniform ring elements (``dtype``) per seed, on ``device``."""
+) -> Iterable[torch.Tensor]:
+    """One vector of ``count`` uniform ring elements (``dtype``) per seed, on ``device``.
+
+    On the CPU they are produced one at a time as they are consumed (a member holds one mask,
+    not ``|W| - 1``); elsewhere all in one batched keystream."""
     device = torch.device(device)
     if device.type == "cpu" and _OPENSSL_ON_CPU:
         np_dtype = _NUMPY_RING[dtype]
-        return [torch.from_numpy(expand(s, count, np_dtype, prg)) for s in seeds]
+        return (torch.from_numpy(expand(s, count, np_dtype, prg)) for s in seeds)
     if prg != "chacha20":
         raise SecAggError(
             f"secagg.prg={prg} runs on the CPU only; allowed with secagg.device={device}: chacha20"
