@@ -101,3 +101,21 @@ def test_micro_named_table(tiny_cache, tmp_path, capsys):
     assert "Queries per side M" in (out / "table.md").read_text()
     assert main(["experiment", "table", "nope"]) == 2
     assert "allowed: prevalence" in capsys.readouterr().err
+
+
+def test_overhead_layout_reports_work_per_stage(tiny_cache, tmp_path):
+    from fedattr.experiments.sweep import Axis, run_sweep
+    from fedattr.experiments.tables import TABLES
+
+    assert TABLES["overhead"].layout == "overhead"
+    spec = SweepSpec([Axis.of_key("fl.K", ["4"])], seeds=[0],
+                     overrides=_small(tiny_cache, "fl.rounds=1"), name="overhead",
+                     extra=dict(TABLES["overhead"].extra), layout="overhead")  # fmt: skip
+    summary = run_sweep(spec, tmp_path / "ovh", progress=lambda _m: None)
+    (point,) = summary["points"]
+    # 2MKT subset queries (M=2, K=4, T=1) plus the round's aggregate; K candidates, the
+    # reference and the SA mean read by the detector.
+    assert point["2MKT"] == "16" and point["sa_queries"] == 17
+    assert point["models_scored"] == 6 and point["train_s"] > 0
+    text = (tmp_path / "ovh" / "table.md").read_text()
+    assert "| per query ms |" in text and "% of training" in text and "| 17 |" in text

@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.set_defaults(func=_cmd_experiment_sweep)
     tb = exp_sub.add_parser(
         "table", help="a named table of the paper (prevalence, subset-size, queries, ratio, "
-        "lora-rank, noniid, scalability, partial, noniid-recovery) as a sweep (resumable)",
+        "lora-rank, noniid, scalability, partial, noniid-recovery, overhead) as a sweep "
+        "(resumable)",
     )  # fmt: skip
     tb.add_argument("name", metavar="NAME", help="which table")
     tb.add_argument("--seeds", default="0", help="seeds: 1,2,3 or 0-4 (default 0)")

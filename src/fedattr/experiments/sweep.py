@@ -86,6 +86,9 @@ class SweepSpec:
     overrides: Sequence[str] = ()
     name: str = "sweep"
     caption: str = ""
+    layout: str = "attribution"
+    """``attribution`` (TPR, FPR, z̄, p) or ``overhead`` (the paper's Tables 12-13: time and
+    work per stage)."""
     extra: dict[str, Callable[[dict[str, str], RunConfig], str]] = field(default_factory=dict)
     points: list[dict[str, str]] = field(init=False)
     """Per point: every configuration key it sets -> its value text."""
@@ -161,7 +164,11 @@ def _point_metrics(results: dict, variant: str | None) -> dict[str, Any]:
 
     timing = part["timing"]
     attribution_s = timing["sa_s"] + timing["scoring_s"]
+    work = results.get("work", {}) if variant is None else {}
     return {
+        "sa_s": timing["sa_s"],
+        "scoring_s": timing["scoring_s"],
+        "models_scored": work.get("models_scored"),
         "tpr": part["tpr"],
         "fpr": part["fpr"],
         "z_pos": mean([c["Z"] for c in pos if c.get("Z") is not None]),
@@ -222,11 +229,12 @@ def summarize(spec: SweepSpec, rows: list[dict], configs: dict[int, RunConfig]) 
             "runs": sorted({r["run"] for r in mine}),
             "seeds": len(mine),
             **{m: _mean([r[m] for r in mine]) for m in
-               ("tpr", "fpr", "z_pos", "z_neg", "sa_queries", "attribution_s", "run_s")},
+               ("tpr", "fpr", "z_pos", "z_neg", "sa_queries", "attribution_s", "run_s",
+                "train_s", "sa_s", "scoring_s", "models_scored")},
             "weakest_p": statistics.median(weakest) if weakest else None,
         })  # fmt: skip
     trainings = len({r["run"] for r in rows})
-    return {"name": spec.name, "caption": spec.caption,
+    return {"name": spec.name, "caption": spec.caption, "layout": spec.layout,
             "axes": {a.label: [shown for shown, _ in a.values] for a in spec.axes},
             "extra": list(spec.extra), "seeds": list(spec.seeds), "preset": spec.preset,
             "overrides": list(spec.overrides), "training_runs": trainings,
@@ -239,6 +247,8 @@ def _num(x: float | None, spec: str) -> str:
 
 def format_table(summary: dict) -> str:
     """``table.md``: one row per point."""
+    if summary.get("layout") == "overhead":
+        return format_overhead(summary)
     keys = list(summary["axes"])
     extra = summary.get("extra", [])
     head = [*keys, *extra, "TPR", "FPR", "z̄ watermarked", "z̄ clean", "weakest watermarked p",
@@ -261,6 +271,35 @@ def format_table(summary: dict) -> str:
         "seeds; weakest watermarked p: the median over seeds of the largest p among watermarked "
         "clients. Points with the same training run were attributed on one run (its wall time "
         "counts it once).\n\n"
+    )
+    return caption + table(head, rows) + "\n"
+
+
+def format_overhead(summary: dict) -> str:
+    """``table.md`` in the layout of the paper's Tables 12-13: training, SA queries and
+    scoring evaluations (count, total, per unit) and FedAttr's share of training time."""
+    keys = list(summary["axes"])
+    extra = summary.get("extra", [])
+    head = [
+        *keys, *extra, "training s", "SA queries", "SA total s", "per query ms",
+        "scoring evaluations", "scoring total s", "per evaluation s", "% of training",
+    ]  # fmt: skip
+    rows = []
+    for p in summary["points"]:
+        q, n = p["sa_queries"], p["models_scored"]
+        share = (p["sa_s"] + p["scoring_s"]) / p["train_s"] if p["train_s"] else None
+        rows.append([
+            *(p["values"][k] for k in keys), *(p[e] for e in extra), _num(p["train_s"], ".1f"),
+            _num(q, ".0f"), _num(p["sa_s"], ".1f"),
+            _num(1000 * p["sa_s"] / q if q else None, ".1f"), _num(n, ".0f"),
+            _num(p["scoring_s"], ".1f"), _num(p["scoring_s"] / n if n else None, ".3f"),
+            percent(share),
+        ])  # fmt: skip
+    caption = (
+        (summary.get("caption") or "")
+        + f"Preset {summary['preset']}; seeds {summary['seeds']} (means). SA queries include "
+        "each round's aggregate; scoring evaluations are the models the detector read "
+        "(reference, every candidate, the SA mean).\n\n"
     )
     return caption + table(head, rows) + "\n"
 

@@ -23,6 +23,7 @@ class TableSpec:
     fixed: tuple[str, ...] = ()
     caption: str = ""
     extra: dict[str, Callable[[dict[str, str], RunConfig], str]] = field(default_factory=dict)
+    layout: str = "attribution"
 
 
 def _variance_factor(point: dict[str, str], cfg: RunConfig) -> str:
@@ -32,6 +33,11 @@ def _variance_factor(point: dict[str, str], cfg: RunConfig) -> str:
 
 def _expected_rounds(point: dict[str, str], cfg: RunConfig) -> str:
     return f"{cfg.fl.rounds * cfg.fl.per_round / cfg.fl.K:.1f}"
+
+
+def _query_count(point: dict[str, str], cfg: RunConfig) -> str:
+    a = cfg.attribution
+    return f"{2 * a.M * cfg.fl.per_round * cfg.fl.rounds:,}"
 
 
 def _scalability(k: int, proportional: bool) -> tuple[str, dict[str, str]]:
@@ -93,6 +99,14 @@ TABLES: dict[str, TableSpec] = {
         fixed=("data.partition=dirichlet", "data.dirichlet_alpha=0.1"),
         caption="Recovery under non-IID data (Dirichlet α = 0.1) with more rounds T. ",
     ),
+    "overhead": TableSpec(
+        (Axis.of_key("fl.K", ["10", "20", "50"]),),
+        caption="Overhead (the paper's Tables 12-13): K clients, r = 3, T = 5, N = 5, M = 5; "
+        "2MKT is the number of subset queries the protocol asks (the measured count adds one "
+        "aggregate per round). ",
+        extra={"2MKT": _query_count},
+        layout="overhead",
+    ),
 }
 """Every named table (``fedattr experiment table NAME``)."""
 
@@ -106,5 +120,5 @@ def table_spec(
         raise UserError(f"table: unknown table {name!r}; allowed: {', '.join(TABLES)}")
     return SweepSpec(
         list(table.axes), seeds, preset, config, [*table.fixed, *overrides], name=name,
-        caption=table.caption, extra=dict(table.extra),
+        caption=table.caption, extra=dict(table.extra), layout=table.layout,
     )  # fmt: skip
