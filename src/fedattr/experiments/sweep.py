@@ -188,11 +188,13 @@ def run_sweep(
     ``results.json`` and one ``plot-<key>.png`` per swept key into ``out``."""
     say = progress or print
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     groups = spec.groups()
-    # Every configuration first: bad input fails before any training.
+    # Every configuration first: bad input fails before any training or folder.
     plan = [(name, seed, members, spec.run_config(members, seed))
             for name, members in groups.items() for seed in spec.seeds]  # fmt: skip
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out: {str(out)!r} is a file; choose a new or existing folder")
+    out.mkdir(parents=True, exist_ok=True)
     for i, (name, seed, members, cfg) in enumerate(plan, 1):
         label = f"[{i}/{len(plan)}] {len(members)} point(s)"
         run_or_reuse(cfg, out / f"{name}_seed{seed}", lambda m, label=label: say(f"{label} {m}"))
