@@ -58,3 +58,15 @@ def test_dedupe_counts_repeated_pairs_once():
         plain.green >= 50 and plain.z > 5 > dedup.z
     )  # repetition alone would look like a watermark
     assert KGWDetector(scheme).score([[1]]).scored == 0
+
+
+def test_processor_bias_is_each_rows_green_mask_with_or_without_its_cache():
+    scheme = KGWScheme(3, 50, gamma=0.25, delta=1.5)
+    prevs = torch.tensor([[0, 7], [1, 7], [4, 9], [2, 7]])  # a repeated context in one batch
+    scores = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    expect = scores + torch.stack([scheme.green_mask(p).float() for p in (7, 7, 9, 7)]) * 1.5
+    cached, uncached = KGWLogitsProcessor(scheme), KGWLogitsProcessor(scheme, cache_bytes=0)
+    for _ in range(2):  # the second step reads the device cache
+        assert torch.equal(cached(prevs, scores), expect)
+        assert torch.equal(uncached(prevs, scores), expect)
+    assert len(cached._on_device) == 2 and not uncached._on_device

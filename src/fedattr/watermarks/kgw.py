@@ -73,20 +73,37 @@ class KGWLogitsProcessor:
     """Adds ``delta`` to the green tokens' logits at every generation step.
 
     Follows the ``transformers`` LogitsProcessor call convention
-    ``(input_ids [batch, seq], scores [batch, vocab]) -> scores``.
+    ``(input_ids [batch, seq], scores [batch, vocab]) -> scores``. Green masks are kept on the
+    scores' device once computed (up to ``cache_bytes``), so a step costs one gather of the
+    batch's masks, not one host-to-device copy per row (each a synchronisation on a GPU).
     """
 
-    def __init__(self, scheme: KGWScheme) -> None:
+    def __init__(self, scheme: KGWScheme, cache_bytes: int = 1 << 30) -> None:
         self.scheme = scheme
+        self._limit = max(0, cache_bytes // max(1, scheme.vocab_size))
+        self._on_device: dict[int, torch.Tensor] = {}
+
+    def _masks(self, prevs: list[int], device: torch.device) -> torch.Tensor:
+        """``[len(prevs), V]`` bool green masks on ``device``."""
+        if self._on_device and next(iter(self._on_device.values())).device != device:
+            self._on_device = {}
+        missing = sorted({p for p in prevs if p not in self._on_device})
+        fresh = {}
+        if missing:
+            # One host-to-device copy for every context this step sees for the first time.
+            block = torch.stack([self.scheme.green_mask(p) for p in missing]).to(device)
+            fresh = dict(zip(missing, block, strict=True))
+            room = self._limit - len(self._on_device)
+            self._on_device.update(itertools.islice(fresh.items(), max(0, room)))
+        return torch.stack([self._on_device.get(p, fresh.get(p)) for p in prevs])
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         vocab = scores.shape[-1]
+        masks = self._masks(input_ids[:, -1].tolist(), scores.device)
+        # Model heads may be padded beyond the tokenizer's vocabulary; never bias those.
+        n = min(vocab, masks.shape[-1])
         bias = torch.zeros_like(scores)
-        for row, prev in enumerate(input_ids[:, -1].tolist()):
-            mask = self.scheme.green_mask(prev)
-            # Model heads may be padded beyond the tokenizer's vocabulary; never bias those.
-            n = min(vocab, mask.numel())
-            bias[row, :n] = mask[:n].to(scores.dtype) * self.scheme.delta
+        bias[:, :n] = masks[:, :n].to(scores.dtype) * self.scheme.delta
         return scores + bias
 
 
