@@ -81,7 +81,7 @@ def test_named_tables_resolve_and_their_extra_columns():
     assert sizes.extra["variance factor"]({"attribution.N": "5"}, RunConfig()) == "2.50"
     partial = table_spec("partial", [0])
     cfg = load(RunConfig, None, ["fl.K=20", "fl.rounds=10", "fl.participation=0.5"])
-    assert partial.extra["E|T_i|"]({}, cfg) == "5.0"
+    assert partial.extra["rounds per client (T·C/K)"]({}, cfg) == "5.0"
     scal = table_spec("scalability", [0])
     assert len(scal.points) == 8 and len(scal.groups()) == 4  # fixed and proportional N share
     with pytest.raises(UserError, match="allowed: prevalence"):

@@ -91,8 +91,8 @@ TABLES: dict[str, TableSpec] = {
         (Axis.of_key("fl.participation", ["0.5", "0.7", "1.0"]),),
         fixed=("fl.K=20", "watermark.r=6", "fl.rounds=10"),
         caption="Partial participation: K = 20, r = 6, T = 10, C of K clients per round "
-        "(E|T_i| = T·C/K rounds attributed per client). ",
-        extra={"E|T_i|": _expected_rounds},
+        "(T·C/K rounds attributed per client on average). ",
+        extra={"rounds per client (T·C/K)": _expected_rounds},
     ),
     "noniid-recovery": TableSpec(
         (Axis.of_key("fl.rounds", ["5", "10", "15", "20"]),),

@@ -10,10 +10,15 @@ from ..attribution.audit import RoundAudit
 from ..attribution.stouffer import AttributionReport
 
 
+def _cell(value: Any) -> str:
+    # A bare "|" would split the cell.
+    return str(value).replace("|", "\\|")
+
+
 def table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """A Markdown table (cells are written with ``str``)."""
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    """A Markdown table (cells are written with ``str``, pipes escaped)."""
+    lines = ["| " + " | ".join(_cell(h) for h in head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
