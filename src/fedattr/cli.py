@@ -44,7 +44,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .config import from_dict, load, to_dict
-    from .experiments.config import PRESET_OVERRIDES, RunConfig
+    from .experiments.config import RunConfig, preset_overrides
     from .experiments.run import run_experiment
     from .reporting.markdown import attribution_table
     from .reporting.run_folder import RunFolder
@@ -58,11 +58,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         folder = RunFolder(args.resume, "--resume")
         cfg = from_dict(RunConfig, folder.resumable_config())
     else:
-        if args.preset not in PRESET_OVERRIDES:
-            raise UserError(
-                f"--preset: unknown preset {args.preset!r}; allowed: {', '.join(PRESET_OVERRIDES)}"
-            )
-        cfg = load(RunConfig, args.config, PRESET_OVERRIDES[args.preset] + args.set)
+        cfg = load(RunConfig, args.config, preset_overrides(args.preset) + args.set)
         folder = RunFolder(args.out or _default_run_dir(cfg))
         folder.claim(to_dict(cfg))
     try:
@@ -254,17 +250,13 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
 
     from .config import load
     from .experiments.bench import format_pipeline, pipeline_figures
-    from .experiments.config import PRESET_OVERRIDES, RunConfig
+    from .experiments.config import RunConfig, preset_overrides
     from .experiments.main import run_or_reuse
 
-    if args.preset not in PRESET_OVERRIDES:
-        raise UserError(
-            f"--preset: unknown preset {args.preset!r}; allowed: {', '.join(PRESET_OVERRIDES)}"
-        )
     if args.rounds is not None and args.rounds < 1:
         raise UserError(f"--rounds: must be >= 1, got {args.rounds}")
     extra = [f"fl.rounds={args.rounds}"] if args.rounds is not None else []
-    cfg = load(RunConfig, args.config, PRESET_OVERRIDES[args.preset] + args.set + extra)
+    cfg = load(RunConfig, args.config, preset_overrides(args.preset) + args.set + extra)
     out = Path(args.out or f"runs/bench-pipeline-{args.preset}")
     say = lambda m: print(m, file=sys.stderr)  # noqa: E731
     if run_or_reuse(cfg, out, say) is None:

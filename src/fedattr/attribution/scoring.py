@@ -100,9 +100,8 @@ def observe_all(scorer: PairedScorer, params: Sequence[Any]) -> Iterable[Any]:
     """The scorer's observation of every entry of ``params``: one batched ``observe_many`` call
     when the scorer has it, else ``observe`` lazily one at a time (so only one candidate's
     parameters need to exist at a time when ``params`` is lazy)."""
-    many = getattr(scorer, "observe_many", None)
-    if callable(many):
-        return many(list(params))
+    if observes_in_batches(scorer):
+        return scorer.observe_many(list(params))
     return (scorer.observe(p) for p in params)
 
 

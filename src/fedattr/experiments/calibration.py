@@ -22,7 +22,7 @@ from ..config import load, to_dict
 from ..errors import UserError
 from ..reporting.markdown import table
 from ..reporting.run_folder import RunFolder
-from .config import PRESET_OVERRIDES, DemoConfig, RunConfig
+from .config import PRESET_OVERRIDES, DemoConfig, RunConfig, check_seeds
 from .main import run_or_reuse
 from .run import run_demo
 
@@ -50,8 +50,7 @@ class CalibrationSpec:
     def __post_init__(self) -> None:
         if self.bed not in BEDS:
             raise UserError(f"--bed: must be one of {', '.join(BEDS)}, got {self.bed!r}")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise UserError(f"--seeds: need distinct seeds, got {list(self.seeds)}")
+        check_seeds(self.seeds)
         if not self.r or any(r < 0 for r in self.r):
             raise UserError(f"--r: watermarked clients per run, e.g. 0,3; got {list(self.r)}")
 

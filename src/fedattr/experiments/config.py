@@ -4,12 +4,14 @@ their packages, loadable from a file."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..attribution.config import AttributionConfig, harden
 from ..config import ConfigError, check_client_ids, from_dict, to_dict
 from ..data.config import DataConfig
+from ..errors import UserError
 from ..fl.config import FLConfig
 from ..fl.synthetic import SyntheticConfig
 from ..models.config import LoRAConfig, ModelConfig
@@ -145,3 +147,18 @@ PRESET_OVERRIDES: dict[str, list[str]] = {
     ],
 }
 """``--preset NAME`` applies these overrides before the config file and ``--set``."""
+
+
+def preset_overrides(name: str) -> list[str]:
+    """The overrides of preset ``name``; an unknown name is one line naming ``--preset``."""
+    if name not in PRESET_OVERRIDES:
+        raise UserError(
+            f"--preset: unknown preset {name!r}; allowed: {', '.join(PRESET_OVERRIDES)}"
+        )
+    return list(PRESET_OVERRIDES[name])
+
+
+def check_seeds(seeds: Sequence[int]) -> None:
+    """An experiment's ``--seeds``: at least one, none repeated (one run folder per seed)."""
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise UserError(f"--seeds: need distinct seeds, got {list(seeds)}")

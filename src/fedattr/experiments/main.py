@@ -19,7 +19,7 @@ from ..config import load, to_dict
 from ..errors import UserError
 from ..reporting.markdown import table
 from ..reporting.run_folder import RunFolder
-from .config import PRESET_OVERRIDES, RunConfig
+from .config import PRESET_OVERRIDES, RunConfig, check_seeds
 from .run import RunResult, run_experiment
 
 SETTINGS: tuple[tuple[str, str], ...] = (
@@ -62,8 +62,7 @@ class MainSpec:
             raise UserError(
                 f"--preset: must be one of {', '.join(WATERMARK_OVERRIDES)}, got {self.preset!r}"
             )
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise UserError(f"--seeds: need distinct seeds, got {list(self.seeds)}")
+        check_seeds(self.seeds)
 
     def run_config(self, strategy: str, watermark: str, seed: int) -> RunConfig:
         """The resolved configuration of one run."""

@@ -23,7 +23,7 @@ from ..config import load, parse_scalar
 from ..errors import UserError
 from ..reporting.markdown import percent, table
 from ..reporting.run_folder import RunFolder
-from .config import PRESET_OVERRIDES, RunConfig
+from .config import RunConfig, check_seeds, preset_overrides
 from .main import run_or_reuse
 
 # Attribution keys a FedAttr observer can vary on one training run (its SA release policy, the
@@ -96,12 +96,8 @@ class SweepSpec:
     """Per point: every axis label -> the value shown in the table."""
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESET_OVERRIDES:
-            raise UserError(
-                f"--preset: unknown preset {self.preset!r}; allowed: {', '.join(PRESET_OVERRIDES)}"
-            )
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise UserError(f"--seeds: need distinct seeds, got {list(self.seeds)}")
+        preset_overrides(self.preset)  # validates the name before any work
+        check_seeds(self.seeds)
         self.points, self.labels = [], []
         for combo in itertools.product(*(a.values for a in self.axes)):
             settings: dict[str, str] = {}
@@ -140,7 +136,7 @@ class SweepSpec:
                     if _is_attribution_only(k)}  # fmt: skip
             variants.append({"name": self.point_name(i), **keys})
         sets = [
-            *PRESET_OVERRIDES[self.preset],
+            *preset_overrides(self.preset),
             f"fl.seed={seed}",
             f"data.seed={seed}",
             f"attribution.seed={seed}",
@@ -159,9 +155,6 @@ def _point_metrics(results: dict, variant: str | None) -> dict[str, Any]:
     pos = [c for c in clients if c.get("watermarked")]
     neg = [c for c in clients if not c.get("watermarked")]
 
-    def mean(xs: list[float]) -> float | None:
-        return statistics.fmean(xs) if xs else None
-
     timing = part["timing"]
     attribution_s = timing["sa_s"] + timing["scoring_s"]
     work = results.get("work", {}) if variant is None else {}
@@ -171,8 +164,8 @@ def _point_metrics(results: dict, variant: str | None) -> dict[str, Any]:
         "models_scored": work.get("models_scored"),
         "tpr": part["tpr"],
         "fpr": part["fpr"],
-        "z_pos": mean([c["Z"] for c in pos if c.get("Z") is not None]),
-        "z_neg": mean([c["Z"] for c in neg if c.get("Z") is not None]),
+        "z_pos": _mean([c.get("Z") for c in pos]),
+        "z_neg": _mean([c.get("Z") for c in neg]),
         "weakest_p": max((c["p"] for c in pos if c.get("p") is not None), default=None),
         "sa_queries": part["sa_queries"],
         "attribution_s": attribution_s,

@@ -4,8 +4,8 @@ The calibrated statistic compares the green mass a change moved under the owner'
 same quantity under ``n`` keys that never watermarked anything. Materialising ``n`` KGW keys'
 green-list indices costs ``n * contexts * gamma * vocab`` integers (40-60 GB for 200 keys over
 2,000-3,000 probe contexts on SmolLM2's 49,152-token vocabulary), so the null keys here are
-drawn directly as green masks:
-every (key, context, token) is green independently with probability ``gamma``.
+drawn directly as green masks: every (key, context, token) is green independently with
+probability ``gamma``.
 
 Under the null (a change independent of the key) that statistic ``<D, G - gamma>`` has mean 0
 and variance ``gamma (1 - gamma) sum D^2``; an owner's fixed-size KGW list gives variance

@@ -130,6 +130,7 @@ class KGWReadingScorer:
         self._null_var = m * (self.vocab - m) / (self.vocab * (self.vocab - 1))
         self._green_share = m / self.vocab
         self._green_device = torch.device("cpu")
+        self._null: RandomGreenLists | None = None  # the random keys, kept between rounds
 
     @torch.no_grad()
     def observe(self, params: dict) -> torch.Tensor:
@@ -197,7 +198,7 @@ class KGWReadingScorer:
 
     def _null_keys(self, n: int, seed: int, device: torch.device) -> RandomGreenLists:
         """The ``n`` random keys of ``seed`` over this scorer's contexts (kept between rounds)."""
-        keys = getattr(self, "_null", None)
+        keys = self._null
         if keys is None or (keys.n, keys.seed, keys.device) != (n, seed, device):
             cells = len(self.contexts) * self.vocab
             keys = self._null = RandomGreenLists(n, seed, cells, self._green_share, device)
