@@ -268,6 +268,65 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_flower_local(args: argparse.Namespace) -> int:
+    import importlib.util
+    import time
+
+    from .config import load, to_dict
+    from .experiments.config import DemoConfig, RunConfig, preset_overrides
+    from .reporting.run_folder import RunFolder
+
+    if importlib.util.find_spec("flwr") is None:
+        raise UserError("flower: Flower is not installed; pip install 'fedattr[flower]'")
+    from .flower.launch import run_loopback
+
+    command = "demo" if args.demo else "run"
+    if args.demo:
+        if args.preset:
+            raise UserError("--preset: for LLM runs; drop it with --demo")
+        cfg = load(DemoConfig, args.config, args.set)
+        default = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-flower-demo"
+    else:
+        cfg = load(RunConfig, args.config, preset_overrides(args.preset or "tiny") + args.set)
+        default = f"{_default_run_dir(cfg)}-flower"
+    folder = RunFolder(args.out or default)
+    folder.claim(to_dict(cfg))  # before any process starts: a bad --out costs nothing
+    node_config = {}
+    for item in args.node_config:
+        key, sep, value = item.partition("=")
+        if not sep or not key or key == "partition-id":
+            raise UserError(
+                f"--node-config: KEY=VALUE (e.g. min-members=5; partition-id is set per node), "
+                f"got {item!r}"
+            )
+        from .config import parse_scalar
+
+        node_config[key] = parse_scalar(value)
+    data = run_loopback(
+        command, cfg, folder, message_timeout=args.timeout, node_config=node_config,
+        say=lambda m: print(m, file=sys.stderr),
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(folder.file("report.md").read_text())
+        loop = data["runtime"]["loopback"]
+        print(f"\nFlower loopback: {data['runtime']['messages']} messages, "
+              f"{data['runtime']['sa_exchanges']} SA exchanges; federation ready in "
+              f"{loop['nodes_ready_s']:.1f} s, run {loop['run_s']:.1f} s")  # fmt: skip
+    print(f"run folder: {folder}", file=sys.stderr)
+    return 0
+
+
+def _cmd_flower_app(args: argparse.Namespace) -> int:
+    from .flower.launch import write_app
+
+    path = write_app(args.folder)
+    print(f"wrote {path}/pyproject.toml: submit it with flwr run {path} <superlink> "
+          "--run-config \"run-folder='/abs/run/folder' config='/abs/run.toml'\"")  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
     p = argparse.ArgumentParser(
@@ -433,6 +492,29 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--out", help="run folder (default runs/bench-pipeline-<preset>)")
     bp.add_argument("--json", action="store_true")
     bp.set_defaults(func=_cmd_bench_pipeline)
+    flower = sub.add_parser("flower", help="run fedattr on Flower (SuperLink, SuperNodes)")
+    flower_sub = flower.add_subparsers(dest="flower", required=True)
+    fl = flower_sub.add_parser(
+        "local",
+        help="a whole federation on this machine: SuperLink + one SuperNode per client",
+    )
+    fl.add_argument("--demo", action="store_true", help="the synthetic federation (no LLM)")
+    fl.add_argument("--preset", help="tiny (default) or smollm2; LLM runs only")
+    fl.add_argument("--config", help="the same .json/.toml file fedattr run (or --demo: "
+                    "demo-protocol) reads")  # fmt: skip
+    fl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a setting (repeatable)")  # fmt: skip
+    fl.add_argument("--out", help="run folder (default: runs/<time>-...-flower)")
+    fl.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds a node has to answer one message (default 600)")  # fmt: skip
+    fl.add_argument("--node-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a SuperNode setting for every node, e.g. min-members=5")  # fmt: skip
+    fl.add_argument("--json", action="store_true", help="print results.json")
+    fl.set_defaults(func=_cmd_flower_local)
+    fa = flower_sub.add_parser("app", help="write the Flower app project for flwr run")
+    fa.add_argument("folder", help="where to write pyproject.toml")
+    fa.set_defaults(func=_cmd_flower_app)
+
     return p
 
 
@@ -441,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (exit code 2). Anything else is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command in ("run", "experiment", "demo-protocol", "bench"):
+        if args.command in ("run", "experiment", "demo-protocol", "bench", "flower"):
             set_threads()
         return args.func(args)
     except UserError as exc:

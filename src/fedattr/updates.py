@@ -96,6 +96,30 @@ class UpdateLayout:
             return tensors[0]
         return dict(zip(self.names, tensors, strict=True))
 
+    def to_dict(self) -> dict:
+        """JSON-ready form (a remote client reports its update's layout, never its values)."""
+        return {
+            "names": None if self.names is None else list(self.names),
+            "shapes": [list(s) for s in self.shapes],
+            "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> UpdateLayout:
+        """Inverse of :meth:`to_dict`."""
+        dtypes = []
+        for name in d["dtypes"]:
+            dtype = getattr(torch, str(name), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"layout.dtypes: unknown torch dtype {name!r}")
+            dtypes.append(dtype)
+        names = d["names"]
+        return cls(
+            None if names is None else tuple(str(n) for n in names),
+            tuple(tuple(int(x) for x in s) for s in d["shapes"]),
+            tuple(dtypes),
+        )
+
     def describe(self) -> str:
         """Short human-readable description, for error messages."""
         if self.names is None:

@@ -27,6 +27,7 @@ from ..config import to_dict
 from ..fl.fedavg import FedAvgServer
 from ..fl.federation import build_federation
 from ..fl.inprocess import InProcessPool
+from ..fl.pool import ClientPool
 from ..fl.progress import Progress
 from ..fl.registry import make_strategy
 from ..fl.server import Checkpointer, Observer, RoundEngine, Stopwatch
@@ -36,7 +37,7 @@ from ..models.lora import attach_lora, load_state
 from ..models.text import encode_examples
 from ..reporting.markdown import attribution_table, baselines_table, stages_table, variants_table
 from ..reporting.run_folder import RunFolder
-from ..secagg import make_aggregator
+from ..secagg import SecureAggregator, make_aggregator
 from ..watermarks.registry import WATERMARKS
 from .config import DemoConfig, RunConfig
 
@@ -181,7 +182,11 @@ def _checkpointing(folder: RunFolder | None, engine_observers: list[Observer]) -
 
 
 def run_experiment(
-    cfg: RunConfig, progress: Say | None = None, folder: RunFolder | None = None
+    cfg: RunConfig,
+    progress: Say | None = None,
+    folder: RunFolder | None = None,
+    pool: ClientPool | None = None,
+    sa: SecureAggregator | None = None,
 ) -> RunResult:
     """Run one configured LLM federation end to end.
 
@@ -189,6 +194,10 @@ def run_experiment(
     resumes after its round. Everything else (data, teacher documents, training and design
     randomness) is a deterministic function of the configuration and the round, so a resumed
     run ends with the same results as an uninterrupted one.
+
+    ``pool`` and ``sa`` replace the in-process clients and the configured SA backend (a remote
+    runtime's clients and their aggregator, e.g. :mod:`fedattr.flower`); the server side here
+    still builds the federation for its ground truth, the owners' keys and detection data.
     """
     say = Progress(progress)
     timing = Stopwatch(("load_s", "teacher_s", "train_s", "sa_s", "scoring_s"))
@@ -202,9 +211,10 @@ def run_experiment(
     model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
     server, client = make_strategy(cfg.fl, cfg.lora)
     state = server.initial_state(model)
-    examples = [encode_examples(tokenizer, s, cfg.data.max_len) for s in fed.shards]
-    pool = InProcessPool(model, examples, client, cfg.fl.train, tokenizer.pad_token_id,
-                         seed=cfg.fl.seed)  # fmt: skip
+    if pool is None:
+        examples = [encode_examples(tokenizer, s, cfg.data.max_len) for s in fed.shards]
+        pool = InProcessPool(model, examples, client, cfg.fl.train, tokenizer.pad_token_id,
+                             seed=cfg.fl.seed)  # fmt: skip
     kind, wm = WATERMARKS[cfg.watermark.kind], cfg.watermark
 
     def scorer_for(detector: str) -> Any:
@@ -229,7 +239,7 @@ def run_experiment(
         observers.append(baseline_observer)
     _checkpointing(folder, observers)
     engine = RoundEngine(
-        pool, server, make_aggregator(cfg.secagg), observers, rounds=cfg.fl.rounds,
+        pool, server, sa or make_aggregator(cfg.secagg), observers, rounds=cfg.fl.rounds,
         per_round=cfg.fl.per_round, seed=cfg.fl.seed, timing=timing, progress=say,
     )  # fmt: skip
     if saved is not None:
@@ -251,18 +261,24 @@ def run_experiment(
     return _finish(cfg, engine, attribution, truth, details, baselines)
 
 
-def run_demo(config: DemoConfig | None = None, progress: Say | None = None,
-             folder: RunFolder | None = None) -> RunResult:  # fmt: skip
-    """The synthetic federation through SA and FedAttr (no language model)."""
+def run_demo(
+    config: DemoConfig | None = None,
+    progress: Say | None = None,
+    folder: RunFolder | None = None,
+    pool: ClientPool | None = None,
+    sa: SecureAggregator | None = None,
+) -> RunResult:
+    """The synthetic federation through SA and FedAttr (no language model); ``pool`` and
+    ``sa`` as in :func:`run_experiment`."""
     cfg = config or DemoConfig()
     syn = cfg.synthetic
-    pool = SyntheticPool(syn)
-    observers = _observers(cfg.attribution_variants(), LinearScorer(pool.direction),
-                           pool.watermarked)  # fmt: skip
+    synthetic = SyntheticPool(syn)
+    observers = _observers(cfg.attribution_variants(), LinearScorer(synthetic.direction),
+                           synthetic.watermarked)  # fmt: skip
     engine = RoundEngine(
-        pool, FedAvgServer(), make_aggregator(cfg.secagg), list(observers), rounds=syn.rounds,
-        seed=syn.seed, progress=Progress(progress),
+        pool or synthetic, FedAvgServer(), sa or make_aggregator(cfg.secagg), list(observers),
+        rounds=syn.rounds, seed=syn.seed, progress=Progress(progress),
     )  # fmt: skip
-    engine.run(pool.initial_params())
-    truth = {j: j in pool.watermarked for j in range(syn.K)}
+    engine.run(synthetic.initial_params())
+    truth = {j: j in synthetic.watermarked for j in range(syn.K)}
     return _finish(cfg, engine, observers, truth, {"config": to_dict(cfg)})

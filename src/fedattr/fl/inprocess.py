@@ -10,6 +10,7 @@ from ..models.lora import trainable_lora_parameters
 from ..models.text import Example
 from ..models.training import TrainSettings, train
 from ..secagg.base import SecureAggregator
+from .node import scaled_update, train_seed
 from .pool import ClientPool, PlaintextTap
 from .progress import Progress
 from .strategy import ClientStrategy
@@ -76,7 +77,7 @@ class InProcessPool(ClientPool):
                 self.examples[c],
                 self.settings,
                 self.pad_id,
-                seed=self.seed * 100_003 + round_id * 101 + c,
+                seed=train_seed(self.seed, round_id, c),
             )
             losses[c] = stats["loss"]
             if timing is not None:
@@ -84,7 +85,7 @@ class InProcessPool(ClientPool):
                 timing.count("train_steps", stats["steps"])
             update = self.strategy.update(self.model, state)
             # Only the scaled update leaves the client, and only into secure aggregation.
-            sa.submit(c, {k: v.detach().float().cpu() * scales[c] for k, v in update.items()})
+            sa.submit(c, scaled_update(update, scales[c]))
             if self._tap is not None:
                 self._tap.updates[c] = {k: v.detach().float().cpu() for k, v in update.items()}
             steps.step(f"client {c} loss {stats['loss']:.3f}")

@@ -144,5 +144,10 @@ class SyntheticPool(ClientPool):
     ) -> dict[int, float]:
         updates = self.updates(round_id)
         for j in participants:
-            sa.submit(j, updates[j] * scales[j] if scales[j] != 1.0 else updates[j])
+            sa.submit(j, self.scaled(updates[j], scales[j]))
         return {}
+
+    @staticmethod
+    def scaled(update: torch.Tensor, scale: float) -> torch.Tensor:
+        """What a synthetic client submits (unscaled at weight 1, to keep it exact)."""
+        return update * scale if scale != 1.0 else update

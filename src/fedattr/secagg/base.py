@@ -264,27 +264,7 @@ class SecureAggregator(ABC):
         ``denominator = M``), so clients scale their ring encodings exactly; clients with
         coefficient 0 take no part, and at least ``min_members`` must remain.
         """
-        if not isinstance(denominator, int) or denominator < 1:
-            raise QueryRefused(
-                f"query refused: denominator must be an integer >= 1, got {denominator!r}"
-            )
-        bad = {c: v for c, v in coefficients.items() if not isinstance(v, (int, np.integer))}
-        if bad:
-            raise QueryRefused(f"query refused: coefficients must be integers, got {bad}")
-        unknown = sorted(int(c) for c in coefficients if int(c) not in self._clients)
-        if unknown and self._round is not None:
-            raise QueryRefused(
-                f"query refused: clients {unknown} are not registered for round {self._round}"
-            )
-        nonzero = {int(c): int(v) for c, v in coefficients.items() if v != 0}
-        members = self._validate(nonzero)
-        coefs = tuple(nonzero[c] for c in members)
-        limit = self.codec.max_members()
-        if sum(abs(v) for v in coefs) > limit:
-            raise QueryRefused(
-                f"query refused: sum of |coefficients| {sum(abs(v) for v in coefs)} exceeds what "
-                f"the ring holds without overflow ({limit}); use ring_bits=64 or lower frac_bits"
-            )
+        members, coefs, denominator = self._admit(Query(coefficients, denominator))
         return self._run(members, coefs, denominator) / denominator
 
     def run_queries(self, groups: Sequence[QueryGroup]) -> list[GroupAnswer]:
@@ -302,6 +282,11 @@ class SecureAggregator(ABC):
         Anything else propagates. The default runs the queries one at a time in this process;
         a runtime with remote clients may override it to batch each round's messages.
         """
+        self._check_groups(groups)
+        return [self._answer_group(group) for group in groups]
+
+    @staticmethod
+    def _check_groups(groups: Sequence[QueryGroup]) -> None:
         for g, group in enumerate(groups):
             if not isinstance(group, QueryGroup):
                 raise SecAggError(
@@ -312,7 +297,6 @@ class SecureAggregator(ABC):
             for a, alternative in enumerate(group.alternatives):
                 if not alternative:
                     raise SecAggError(f"run_queries: groups[{g}].alternatives[{a}] is empty")
-        return [self._answer_group(group) for group in groups]
 
     def _answer_group(self, group: QueryGroup) -> GroupAnswer:
         start = time.perf_counter()
@@ -335,6 +319,36 @@ class SecureAggregator(ABC):
             break
         answer.seconds = time.perf_counter() - start
         return answer
+
+    def _admit(self, query: Query) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """``query`` validated as the single-query methods validate it: (sorted members, their
+        integer coefficients, denominator), or :class:`QueryRefused`."""
+        if query.is_subset:
+            members = self._validate(query.coefficients)
+            return members, (1,) * len(members), 1
+        coefficients, denominator = query.coefficients, query.denominator
+        if not isinstance(denominator, int) or denominator < 1:
+            raise QueryRefused(
+                f"query refused: denominator must be an integer >= 1, got {denominator!r}"
+            )
+        bad = {c: v for c, v in coefficients.items() if not isinstance(v, (int, np.integer))}
+        if bad:
+            raise QueryRefused(f"query refused: coefficients must be integers, got {bad}")
+        unknown = sorted(int(c) for c in coefficients if int(c) not in self._clients)
+        if unknown and self._round is not None:
+            raise QueryRefused(
+                f"query refused: clients {unknown} are not registered for round {self._round}"
+            )
+        nonzero = {int(c): int(v) for c, v in coefficients.items() if v != 0}
+        members = self._validate(nonzero)
+        coefs = tuple(nonzero[c] for c in members)
+        limit = self.codec.max_members()
+        if sum(abs(v) for v in coefs) > limit:
+            raise QueryRefused(
+                f"query refused: sum of |coefficients| {sum(abs(v) for v in coefs)} exceeds what "
+                f"the ring holds without overflow ({limit}); use ring_bits=64 or lower frac_bits"
+            )
+        return members, coefs, denominator
 
     def _run_query(self, query: Query) -> np.ndarray:
         """One :class:`Query` through the single-query path it stands for."""

@@ -56,13 +56,23 @@ class MaskingClient:
     """A client's side of the protocol: its private key and its encoded update."""
 
     def __init__(
-        self, client_id: int, codec: FixedPointCodec, prg: str, device: torch.device
+        self,
+        client_id: int,
+        codec: FixedPointCodec,
+        prg: str,
+        device: torch.device,
+        private_key: bytes | None = None,
     ) -> None:
         self.client_id = client_id
         self._codec = codec
         self._prg = prg
         self._device = device
-        self._private = X25519PrivateKey.generate()
+        # A client whose process restarts between messages (Flower) brings its raw key back.
+        self._private = (
+            X25519PrivateKey.generate()
+            if private_key is None
+            else X25519PrivateKey.from_private_bytes(private_key)
+        )
         self._secrets: dict[int, bytes] = {}
         self._encoded: torch.Tensor | None = None
 
@@ -70,6 +80,11 @@ class MaskingClient:
     def public_key(self) -> bytes:
         """Raw 32-byte X25519 public key, sent to the server for relay."""
         return self._private.public_key().public_bytes_raw()
+
+    @property
+    def private_key(self) -> bytes:
+        """Raw 32-byte X25519 private key (for the client's own storage only)."""
+        return self._private.private_bytes_raw()
 
     def hold(self, flat: np.ndarray) -> None:
         """Encode and keep this round's update (it never leaves the client unmasked)."""

@@ -155,3 +155,22 @@ class SessionLedgers:
     def leakage(self) -> dict[int, float]:
         """:meth:`ReleasePolicy.leakage` in the active session."""
         return self.ledger().leakage()
+
+    def to_dict(self) -> dict:
+        """JSON-ready state (a client whose process restarts between messages keeps this)."""
+        return {
+            "budget": None if math.isinf(self.budget) else self.budget,
+            "clients": list(self.clients),
+            "ledgers": {name: [r.tolist() for r in p.rows] for name, p in self._ledgers.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> SessionLedgers:
+        """Inverse of :meth:`to_dict` (the active session is ``""``)."""
+        out = cls(math.inf if d["budget"] is None else float(d["budget"]))
+        out.reset([int(c) for c in d["clients"]])
+        for name, rows in d["ledgers"].items():
+            policy = out._new()
+            policy.rows = [np.asarray(r, dtype=float) for r in rows]
+            out._ledgers[name] = policy
+        return out

@@ -1,0 +1,145 @@
+"""The ClientApp: one fedattr client per SuperNode (``node_config`` ``partition-id``).
+
+Three messages per round reach a client: ``train`` (the global state; the client trains, keeps
+its scaled update and a fresh X25519 key in the node's state, and answers with its public key,
+its update's layout and its loss: never the update), then one ``query.sa_batch`` per SA
+exchange (every query of the batch; the client checks each, see
+:class:`~fedattr.secagg.remote.MaskingParty`, and answers the ones it is a member of with one
+masked vector each). ``query.register`` comes once per run with the configuration: the client
+builds its own data and reports its example count.
+
+Every message may start a fresh process, so everything a client keeps lives in
+``context.state``. Node settings (``flower-supernode --node-config``): ``partition-id`` (the
+client id, required) and ``min-members`` (the client's own SA threshold; the run's
+``secagg.min_members`` if larger).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from ..data.records import Record
+from ..errors import UserError
+from ..fl.node import LLMClientNode, SyntheticClientNode
+from ..runtime import set_threads
+from ..secagg.remote import MaskingParty, QueryBatch
+from ..updates import UpdateLayout
+from .records import arrays, config, config_of, record_state, unarrays
+
+app = ClientApp()
+
+_NODE, _PARTY, _UPDATE = "fedattr.node", "fedattr.party", "fedattr.update"
+
+
+def partition_id(node_config: Any) -> int:
+    """The client id this SuperNode serves."""
+    raw = node_config.get("partition-id")
+    if raw is None or isinstance(raw, bool):
+        raise UserError(
+            "partition-id: every SuperNode needs --node-config 'partition-id=<client id>'"
+        )
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise UserError(f"partition-id: must be an integer client id, got {raw!r}") from None
+
+
+def _node(command: str, cfg: Any, client: int, records: list[Record] | None = None) -> Any:
+    if command == "demo":
+        return SyntheticClientNode(cfg.synthetic, client)
+    return LLMClientNode(cfg.model, cfg.lora, cfg.data, cfg.watermark, cfg.fl, client, records)
+
+
+def _registered(context: Context) -> tuple[str, Any, int, ConfigRecord]:
+    if _NODE not in context.state.config_records:
+        raise UserError("this node was never registered for the run (no query.register message)")
+    stored = context.state.config_records[_NODE]
+    command = str(stored["command"])
+    return command, config_of(command, str(stored["config"])), int(stored["client"]), stored
+
+
+def _party(cfg: Any, client: int, context: Context) -> MaskingParty:
+    sa = cfg.secagg
+    own = context.node_config.get("min-members")
+    threshold = max(sa.min_members, int(own)) if own is not None else sa.min_members
+    return MaskingParty(client, sa.codec(), sa.prg, threshold, sa.release_budget or None,
+                        sa.torch_device())  # fmt: skip
+
+
+@app.query("register")
+def register(msg: Message, context: Context) -> Message:
+    """Build this client's data from the run's configuration; report its example count."""
+    set_threads()
+    rec = msg.content.config_records["fedattr"]
+    command, text = str(rec["command"]), str(rec["config"])
+    client = partition_id(context.node_config)
+    node = _node(command, config_of(command, text), client)
+    size = node.data_size()
+    stored = {"command": command, "config": text, "client": client}
+    if isinstance(node, LLMClientNode):
+        stored["records"] = json.dumps(node.records_dicts())  # built once per run
+    context.state.config_records[_NODE] = config(stored)
+    return Message(RecordDict({"fedattr": config({"client": client, "size": size})}),
+                   reply_to=msg)  # fmt: skip
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Local training; the scaled update stays here, only its public key and layout go back."""
+    set_threads()
+    command, cfg, client, stored = _registered(context)
+    rec = msg.content.config_records["fedattr"]
+    round_id, scale = int(rec["round"]), float(rec["scale"])
+    participants = [int(c) for c in rec["participants"]]
+    records = None
+    if "records" in stored:
+        records = [Record(**r) for r in json.loads(str(stored["records"]))]
+    node = _node(command, cfg, client, records)
+    state = record_state(msg.content.array_records["state"]) if command == "run" else None
+    update, stats = node.train(round_id, state, scale)
+    layout = UpdateLayout.of(update)
+    party = _party(cfg, client, context)
+    public_key = party.start_round(round_id, participants, layout.flatten(update))
+    _save(context, party)
+    reply = {"client": client, "public_key": public_key,
+             "layout": json.dumps(layout.to_dict()), **stats}  # fmt: skip
+    return Message(RecordDict({"fedattr": config(reply)}), reply_to=msg)
+
+
+def _save(context: Context, party: MaskingParty) -> None:
+    meta, private_key, flat = party.state()
+    context.state.config_records[_PARTY] = config({"meta": meta, "private_key": private_key})
+    context.state.array_records[_UPDATE] = arrays({"flat": flat})
+
+
+@app.query("sa_batch")
+def sa_batch(msg: Message, context: Context) -> Message:
+    """Check every query of the batch; answer this client's with masked vectors."""
+    _, cfg, client, _ = _registered(context)
+    rec = msg.content.config_records["fedattr"]
+    batch = QueryBatch(
+        int(rec["round"]),
+        QueryBatch.queries_from_json(str(rec["queries"])),
+        {int(k[3:]): bytes(v) for k, v in rec.items() if k.startswith("pk.")},
+    )
+    party = _party(cfg, client, context)
+    if _PARTY in context.state.config_records:
+        saved = context.state.config_records[_PARTY]
+        flat = unarrays(context.state.array_records[_UPDATE])["flat"]
+        party.restore(str(saved["meta"]), bytes(saved["private_key"]), flat)
+    reply = party.answer(batch)
+    if party.round is not None:
+        _save(context, party)  # the ledger moved on
+    content = RecordDict({
+        "fedattr": config({
+            "client": client,
+            "refused": json.dumps({str(k): v for k, v in reply.refused.items()}),
+            "seconds": json.dumps({str(k): v for k, v in reply.seconds.items()}),
+        }),
+        "masked": arrays({str(k): v for k, v in reply.masked.items()}),
+    })  # fmt: skip
+    return Message(content, reply_to=msg)

@@ -1,0 +1,69 @@
+"""The client pool whose clients are Flower SuperNodes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import UserError
+from ..fl.pool import ClientPool
+from ..fl.progress import Progress
+from ..fl.timing import Stopwatch
+from ..secagg.base import SecureAggregator
+from ..secagg.remote import RemoteMaskingServer
+from .link import FlowerLink
+
+
+class FlowerPool(ClientPool):
+    """Clients on SuperNodes: the pool sends ``train`` and registers each answering client's
+    public key and layout with SA; a client that does not answer in time is offline for the
+    round (the round goes on with the others)."""
+
+    def __init__(self, link: FlowerLink, sizes: Sequence[int], send_state: bool = True) -> None:
+        self.link, self._sizes, self.send_state = link, list(sizes), send_state
+
+    @property
+    def num_clients(self) -> int:
+        return len(self._sizes)
+
+    def data_sizes(self) -> list[int]:
+        return list(self._sizes)
+
+    def train_round(
+        self,
+        round_id: int,
+        participants: Sequence[int],
+        state: Any,
+        sa: SecureAggregator,
+        scales: dict[int, float],
+        progress: Progress,
+        timing: Stopwatch | None = None,
+    ) -> dict[int, float]:
+        if not isinstance(sa, RemoteMaskingServer):
+            raise UserError(
+                f"secagg.backend: Flower clients mask their own updates; allowed: pairwise-mask "
+                f"(got {sa.name})"
+            )
+        progress(f"round {round_id}: training on {len(participants)} SuperNodes")
+        replies = self.link.train(round_id, participants, state, scales, self.send_state)
+        losses: dict[int, float] = {}
+        for c in participants:
+            reply = replies.get(c)
+            if reply is None:
+                progress(f"round {round_id}: client {c} did not answer; offline for the round")
+                sa.drop(c)
+                continue
+            sa.register(c, bytes(reply["public_key"]), _json(reply["layout"]))
+            if "loss" in reply:
+                losses[c] = float(reply["loss"])
+            if timing is not None:
+                for key in ("train_tokens", "train_steps"):
+                    if key in reply:
+                        timing.count(key, int(reply[key]))
+        return losses
+
+
+def _json(text: Any) -> dict:
+    import json
+
+    return json.loads(str(text))

@@ -1,0 +1,84 @@
+"""Integration: a real Flower federation on 127.0.0.1 (SuperLink + one SuperNode per client as
+separate processes, ``flwr run``) reaches the same per-client Z as the in-process engine, and
+every process it started is stopped."""
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr", reason="the Flower extra is not installed (pip install '.[flower]')")
+if shutil.which("flower-superlink", path=str(Path(sys.executable).parent)) is None:
+    pytest.skip("flower-superlink is not installed next to this Python", allow_module_level=True)
+
+from conftest import small_overrides as _small  # noqa: E402
+
+from fedattr.config import load, to_dict  # noqa: E402
+from fedattr.experiments.config import DemoConfig, RunConfig  # noqa: E402
+from fedattr.experiments.run import run_demo, run_experiment  # noqa: E402
+from fedattr.flower.launch import LoopbackFederation, run_loopback  # noqa: E402
+from fedattr.reporting.run_folder import RunFolder  # noqa: E402
+
+
+def _processes_using(path: Path) -> list[int]:
+    """Processes whose environment names ``path`` (the federation's FLWR_HOME)."""
+    needle = f"FLWR_HOME={path}".encode()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes():
+                    stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if stat != "Z":
+                        out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
+
+
+def _z(clients):
+    return {int(c["id"]): (round(c["Z"], 9), c["flagged"]) for c in clients}
+
+
+def _run(tmp_path, command, cfg):
+    folder = RunFolder(tmp_path / "run")
+    folder.claim(to_dict(cfg))
+    data = run_loopback(command, cfg, folder, timeout=900, message_timeout=300)
+    assert _processes_using(folder.path / "flower" / "flwr-home") == []
+    return data
+
+
+def test_synthetic_federation_on_flower_processes(tmp_path):
+    cfg = load(DemoConfig, None, ["synthetic.K=4", "synthetic.rounds=1", "synthetic.dim=64",
+                                  "synthetic.r=1", "attribution.N=2", "attribution.M=2",
+                                  "secagg.min_members=2"])  # fmt: skip
+    data = _run(tmp_path, "demo", cfg)
+    local = run_demo(cfg)
+    assert _z(data["clients"]) == _z([c.to_dict() for c in local.report.clients])
+    assert data["runtime"]["loopback"]["status"] == "finished:completed"
+    assert (tmp_path / "run" / "report.md").is_file()
+
+
+def test_tiny_llm_federation_on_flower_processes(tiny_cache, tmp_path):
+    import torch
+
+    cfg = load(RunConfig, None, _small(tiny_cache, "fl.rounds=1"))
+    data = _run(tmp_path, "run", cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every process of the federation (FEDATTR_THREADS=1)
+    try:
+        local = run_experiment(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    assert _z(data["clients"]) == _z([c.to_dict() for c in local.report.clients])
+    assert data["runtime"]["nodes"].keys() == {"0", "1", "2", "3"}
+
+
+def test_the_federation_stops_every_process_it_started(tmp_path):
+    fed = LoopbackFederation(2, tmp_path / "fed")
+    with fed:
+        started = _processes_using(fed.home)
+        assert len(started) >= 3  # SuperLink (+ its superexec) and two SuperNodes
+    assert _processes_using(fed.home) == []
