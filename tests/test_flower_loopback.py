@@ -13,13 +13,12 @@ pytest.importorskip("flwr", reason="the Flower extra is not installed (pip insta
 if shutil.which("flower-superlink", path=str(Path(sys.executable).parent)) is None:
     pytest.skip("flower-superlink is not installed next to this Python", allow_module_level=True)
 
-from conftest import small_overrides as _small  # noqa: E402
-
-from fedattr.config import load, to_dict  # noqa: E402
-from fedattr.experiments.config import DemoConfig, RunConfig  # noqa: E402
-from fedattr.experiments.run import run_demo, run_experiment  # noqa: E402
-from fedattr.flower.launch import LoopbackFederation, run_loopback  # noqa: E402
-from fedattr.reporting.run_folder import RunFolder  # noqa: E402
+from conftest import small_overrides as _small
+from fedattr.config import load, to_dict
+from fedattr.experiments.config import DemoConfig, RunConfig
+from fedattr.experiments.run import run_demo, run_experiment
+from fedattr.flower.launch import LoopbackFederation, run_loopback
+from fedattr.reporting.run_folder import RunFolder
 
 
 def _processes_using(path: Path) -> list[int]:

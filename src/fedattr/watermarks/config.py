@@ -3,7 +3,7 @@ detection."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .registry import WATERMARKS
 
@@ -53,6 +53,16 @@ class WatermarkConfig:
     """Held-out detection records: prompts to generate from (greedy) or texts to read."""
     detect_max_new_tokens: int = 48
     dedupe: bool = True
+    scheme: str = "fedattr"
+    """KGW seeding of the simulated owners' keys: ``fedattr`` (keyed SHA-256 PRF),
+    ``lm-watermarking`` or ``markllm`` (the reference codes' seedings, hash keys drawn from
+    ``key_seed``)."""
+    key_files: list[str] = field(default_factory=list)
+    """Owners' key files (``fedattr owner keygen``), one owner each, instead of keys drawn
+    from ``key_seed``: the server scores with them (the simulation plays the owners)."""
+    documents: str = ""
+    """An owner's watermarked corpus (``fedattr owner watermark``, .jsonl/.json): watermarked
+    clients take their documents from it (a seeded draw per client) instead of the teacher."""
 
     def __post_init__(self) -> None:
         if self.kind not in WATERMARKS:
@@ -83,5 +93,11 @@ class WatermarkConfig:
             raise ValueError(f"watermark.r: must be >= 0, got {self.r}")
         if not 0.0 < self.gamma < 1.0:
             raise ValueError(f"watermark.gamma: must be in (0, 1), got {self.gamma}")
+        from .kgw import SCHEMES
+
+        if self.scheme not in SCHEMES:
+            raise ValueError(
+                f"watermark.scheme: must be one of {', '.join(SCHEMES)}, got {self.scheme!r}"
+            )
         if self.detect_prompts < 1 or self.detect_max_new_tokens < 1:
             raise ValueError("watermark.detect_prompts and detect_max_new_tokens: must be >= 1")

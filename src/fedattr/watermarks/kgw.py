@@ -69,6 +69,49 @@ class KGWScheme:
         return bool(self.green_mask(prev_token)[token])
 
 
+class LMWatermarkingScheme(KGWScheme):
+    """Kirchenbauer et al.'s reference seeding (lm-watermarking ``simple_1`` / ``lefthash``):
+    the generator is seeded with ``hash_key * previous token`` and the green list is the first
+    ``int(gamma V)`` of ``torch.randperm(V)``. Bit-exact with the reference code run on the
+    CPU (a text watermarked on a GPU used CUDA's ``randperm``, a different permutation)."""
+
+    def __init__(
+        self, hash_key: int, vocab_size: int, gamma: float = 0.25, delta: float = 2.0
+    ) -> None:
+        super().__init__(hash_key, vocab_size, gamma, delta)
+        self.green_size = max(1, int(self.vocab_size * self.gamma))  # the references truncate
+
+    def _seed(self, prev_token: int) -> int:
+        return (self.key * int(prev_token)) % (2**64 - 1)
+
+
+class MarkLLMScheme(LMWatermarkingScheme):
+    """MarkLLM's KGW (``markllm`` 0.1.3-0.1.5 on PyPI, GitHub since July 2024) with its
+    defaults ``prefix_length = 1``, ``f_scheme = "time"``, ``window_scheme = "left"``: a fixed
+    permutation ``prf = randperm(V)`` seeded with ``hash_key``, then the generator of a context
+    seeded with ``hash_key * prf[previous token mod V] mod V``. Not the same green lists as
+    :class:`LMWatermarkingScheme` for any context. CPU generator, as above."""
+
+    def __init__(
+        self, hash_key: int, vocab_size: int, gamma: float = 0.5, delta: float = 2.0
+    ) -> None:
+        super().__init__(hash_key, vocab_size, gamma, delta)
+        self._prf = torch.randperm(
+            self.vocab_size, generator=torch.Generator().manual_seed(self.key)
+        ).tolist()
+
+    def _seed(self, prev_token: int) -> int:
+        return (self.key * self._prf[int(prev_token) % self.vocab_size]) % self.vocab_size
+
+
+SCHEMES: dict[str, type[KGWScheme]] = {
+    "fedattr": KGWScheme,
+    "lm-watermarking": LMWatermarkingScheme,
+    "markllm": MarkLLMScheme,
+}
+"""KGW seeding schemes by name: fedattr's keyed PRF and the two reference codes'."""
+
+
 class KGWLogitsProcessor:
     """Adds ``delta`` to the green tokens' logits at every generation step.
 

@@ -16,7 +16,8 @@ import numpy as np
 from ..data.records import Record
 from ..models.text import encode_examples
 from .fictitious import DOMAINS, FictitiousEntity, make_entities, target_share, template_documents
-from .kgw import KGWScheme
+from .keys import load_key
+from .kgw import SCHEMES
 from .knowledge import FKHitRateScorer, FKLikelihoodScorer
 from .radioactivity import KGWModelScorer, KGWReadingScorer
 from .teacher import watermark_records, write_fk_documents
@@ -57,15 +58,25 @@ class KGW(WatermarkKind):
     name = "kgw"
 
     def owners(self, wm, vocab_size, n_clients, clean_texts):
+        if wm.key_files:
+            keys = [load_key(path, "kgw") for path in wm.key_files]
+            return {f"kgw:{k.fingerprint}": k.kgw_scheme(vocab_size) for k in keys}
+
         def key(owner: int) -> int:
-            return int(np.random.default_rng([wm.key_seed, owner]).integers(2**62))
+            drawn = int(np.random.default_rng([wm.key_seed, owner]).integers(2**62))
+            # the reference codes take an integer hash key below 2^31
+            return drawn if wm.scheme == "fedattr" else 1 + drawn % (2**31 - 2)
 
         return {
-            f"kgw:owner{o}": KGWScheme(key(o), vocab_size, wm.gamma, wm.delta)
+            f"kgw:owner{o}": SCHEMES[wm.scheme](key(o), vocab_size, wm.gamma, wm.delta)
             for o in range(wm.owners)
         }
 
     def documents(self, wm, model, tokenizer, owner, secret, client, shard, n, seed, say):
+        if wm.documents:
+            docs = owner_documents(wm.documents, n, seed)
+            say(f"client {client}: {len(docs)} documents from the owner's corpus {wm.documents}")
+            return docs, None
         say(f"teacher: watermarking {n} of client {client}'s {len(shard)} documents ({owner})")
         docs = watermark_records(
             model, tokenizer, shard[:n], secret, max_new_tokens=wm.doc_max_new_tokens,
@@ -118,6 +129,16 @@ class FictitiousKnowledge(WatermarkKind):
             model, tokenizer, owners, load, questions=wm.fk_reading_questions,
             statistic=wm.fk_statistic,
         )  # fmt: skip
+
+
+def owner_documents(path: str, n: int, seed: int) -> list[Record]:
+    """``n`` documents drawn (seeded, without replacement) from an owner's watermarked corpus;
+    all of them when it holds fewer."""
+    from ..data.loaders import load_records
+
+    docs = load_records(path)
+    order = np.random.default_rng([seed, 0xD0C5]).permutation(len(docs))[:n]
+    return [docs[i] for i in sorted(order)]
 
 
 WATERMARKS: dict[str, WatermarkKind] = {k.name: k() for k in (KGW, FictitiousKnowledge)}

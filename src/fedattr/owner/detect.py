@@ -1,0 +1,117 @@
+"""Testing a released model for the owner's KGW key (the paper's global-model test, alone).
+
+Two detectors, both needing only the key, the model and some text in the model's domain:
+
+- **reading** (fedattr's teacher-forced test): the green mass the model's next-token
+  distributions moved from a *reference* model's on the same texts, under the owner's key and
+  under ``null_keys`` fresh random keys; the p-value is the t prediction of the owner's
+  statistic among the random keys' (``p``) and its exact rank (``p_rank``, resolution
+  ``1/(n+1)``), as in the calibrated verdicts of a run. The reference is the model without its
+  LoRA adapter (``--lora``) or another model (``--reference``, same tokenizer).
+- **greedy** (the paper's radioactivity test): greedy continuations of the texts' prompts, the
+  share of green tokens (each (previous, next) pair once) against ``gamma``: ``z``, ``p``. It
+  needs no reference, and has little power on small models (README, *Finding 4*).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.stats import t as student_t
+
+from ..data.records import Record
+from ..errors import UserError
+from ..watermarks.keys import OwnerKey
+
+
+class _Pair(torch.nn.Module):
+    """The candidate and its reference behind one module the reading scorer switches between
+    (``load(pair, "reference" | "candidate")``); a LoRA model is its own reference with its
+    adapter disabled."""
+
+    def __init__(self, candidate: Any, reference: Any | None) -> None:
+        super().__init__()
+        self.candidate, self.reference = candidate, reference
+        self.current = "candidate"
+
+    def forward(self, **inputs: Any) -> Any:
+        if self.current == "candidate":
+            return self.candidate(**inputs)
+        if self.reference is not None:
+            return self.reference(**inputs)
+        with self.candidate.disable_adapter():
+            return self.candidate(**inputs)
+
+
+def _select(pair: _Pair, which: str) -> None:
+    pair.current = which
+
+
+def key_randomisation_p(owner: float, null: np.ndarray) -> tuple[float, float]:
+    """(t-prediction p, exact rank p) of ``owner`` among the ``null`` statistics."""
+    n = len(null)
+    rank = (1 + int(np.sum(null >= owner))) / (n + 1)
+    sd = float(np.std(null, ddof=1))
+    if sd <= 0:
+        return rank, rank
+    t = (owner - float(np.mean(null))) / (sd * math.sqrt(1 + 1 / n))
+    return float(student_t.sf(t, n - 1)), rank
+
+
+def detect_kgw(
+    key: OwnerKey,
+    model: Any,
+    tokenizer: Any,
+    records: Sequence[Record],
+    *,
+    reference: Any | None = None,
+    lora: bool = False,
+    detectors: Sequence[str] = ("reading", "greedy"),
+    null_keys: int = 1000,
+    seed: int = 0,
+    max_len: int = 256,
+    max_new_tokens: int = 48,
+) -> dict:
+    """Run the chosen detectors; a JSON-ready dict per detector."""
+    from ..models.text import encode_examples, format_prompt, generate
+    from ..watermarks.kgw import KGWDetector
+    from ..watermarks.radioactivity import KGWReadingScorer
+
+    key.require("kgw")
+    unknown = sorted(set(detectors) - {"reading", "greedy"})
+    if unknown or not detectors:
+        raise UserError(f"--detector: allowed reading, greedy (or both), got {list(detectors)}")
+    if null_keys < 20:
+        raise UserError(f"--null-keys: must be >= 20, got {null_keys}")
+    scheme = key.kgw_scheme(len(tokenizer))
+    out: dict[str, Any] = {"key": key.fingerprint, "texts": len(records)}
+    if "reading" in detectors:
+        if reference is None and not lora:
+            raise UserError(
+                "--reference: the reading test needs the model the candidate was fine-tuned "
+                "from (--lora ADAPTER, or --reference MODEL); or use --detector greedy"
+            )
+        pair = _Pair(model, reference)
+        examples = encode_examples(tokenizer, records, max_len)
+        scorer = KGWReadingScorer(pair, examples, {"owner": scheme}, _select,
+                                  pad_id=tokenizer.pad_token_id)  # fmt: skip
+        ref, cand = scorer.observe("reference"), scorer.observe("candidate")
+        stat, null = scorer.key_statistics(ref, cand, null_keys, seed)["owner"]
+        p, p_rank = key_randomisation_p(stat, null)
+        out["reading"] = {
+            "statistic": stat, "null_mean": float(np.mean(null)),
+            "null_sd": float(np.std(null, ddof=1)), "null_keys": null_keys,
+            "z": scorer.contrast(ref, cand)["owner"], "p": p, "p_rank": p_rank,
+            "effective_contexts": scorer.effective_contexts(ref, cand),
+        }  # fmt: skip
+    if "greedy" in detectors:
+        prompts = [format_prompt(tokenizer, r) for r in records]
+        seqs = generate(model, tokenizer, prompts, max_new_tokens)
+        score = KGWDetector(scheme).score(seqs)
+        out["greedy"] = {"green": score.green, "scored": score.scored, "z": score.z,
+                         "p": score.p}  # fmt: skip
+    return out

@@ -1,0 +1,156 @@
+"""The owner's scoring step: key statistics of a run's released round folders.
+
+For every round folder (see :mod:`fedattr.attribution.export`) the owner rebuilds the run's
+model from ``rounds/run.json``, reads the reference ``w^{t-1}``, each estimate applied to it and
+the round's SA mean with its detector, and computes the raw statistic under its own key and
+under the round's ``null_keys`` random keys (the seed in the manifest: every owner draws the
+same random keys). It writes ``scores-<fingerprint>.json`` beside the round's files; nothing
+in it reveals the key (a statistic per estimate and the random keys' statistics).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+from ..watermarks.keys import OwnerKey
+
+Say = Callable[[str], None]
+
+SCORES_FORMAT = "fedattr-scores/1"
+
+
+class RoundFolderError(UserError):
+    """A round folder that is missing, incomplete or altered."""
+
+
+def read_manifest(folder: Path) -> dict:
+    """A round folder's manifest, its tensor files checked against their digests."""
+    from ..attribution.export import ROUND_FORMAT, TENSOR_FILES
+
+    path = folder / "manifest.json"
+    if not path.is_file():
+        raise RoundFolderError(f"round folder {str(folder)!r}: no manifest.json (not a round "
+                               "folder, or its export did not finish)")  # fmt: skip
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RoundFolderError(f"{str(path)!r} is damaged ({exc.msg})") from None
+    if manifest.get("format") != ROUND_FORMAT:
+        raise RoundFolderError(f"{str(path)!r}: not a fedattr round manifest ({ROUND_FORMAT})")
+    for name in TENSOR_FILES:
+        if not (folder / name).is_file():
+            raise RoundFolderError(f"round folder {str(folder)!r}: {name} is missing")
+    for name in TENSOR_FILES:
+        file = folder / name
+        if hashlib.sha256(file.read_bytes()).hexdigest() != manifest["sha256"][name]:
+            raise RoundFolderError(f"round folder {str(folder)!r}: {name} does not match its "
+                                   "manifest digest (altered or truncated)")  # fmt: skip
+    return manifest
+
+
+def run_config_of(folder: Path) -> Any:
+    """The run's configuration (``rounds/run.json`` above the round folder)."""
+    from ..config import from_dict
+    from ..experiments.config import RunConfig
+
+    path = folder.parent / "run.json"
+    if not path.is_file():
+        raise RoundFolderError(f"{str(path)!r} is missing: the run's configuration comes with "
+                               "its round folders")  # fmt: skip
+    return from_dict(RunConfig, json.loads(path.read_text()))
+
+
+class OwnerScorer:
+    """The owner's detector over one run's model: built once, scores many rounds."""
+
+    def __init__(self, key: OwnerKey, run_config: Any, texts: Sequence | None = None,
+                 say: Say | None = None) -> None:  # fmt: skip
+        from ..fl.federation import detection_records
+        from ..fl.registry import make_strategy
+        from ..models.loading import load_model
+        from ..models.lora import attach_lora, load_state
+        from ..models.text import encode_examples
+        from ..watermarks.radioactivity import KGWReadingScorer
+
+        key.require("kgw")
+        cfg = self.config = run_config
+        if cfg.watermark.detector != "reading":
+            raise UserError("watermark.detector: owner scoring runs the reading detector "
+                            "(the calibrated statistic's); the run says "
+                            f"{cfg.watermark.detector!r}")  # fmt: skip
+        self.key, self.name = key, f"kgw:{key.fingerprint}"
+        model, tokenizer = load_model(cfg.model, say)
+        records = list(texts) if texts is not None else detection_records(cfg.data, cfg.watermark)
+        model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
+        server, _ = make_strategy(cfg.fl, cfg.lora)
+        self.apply = server.apply_estimate
+        examples = encode_examples(tokenizer, records, cfg.data.max_len)
+        self.scorer = KGWReadingScorer(model, examples, {self.name: key.kgw_scheme(len(tokenizer))},
+                                       load_state, pad_id=tokenizer.pad_token_id)  # fmt: skip
+
+    def score(self, folder: str | Path) -> Path:
+        """Score one round folder; returns the scores file written there."""
+        from safetensors.torch import load_file
+
+        from ..attribution.calibrated import all_key_statistics
+        from ..attribution.scoring import observe_all
+
+        folder = Path(folder)
+        manifest = read_manifest(folder)
+        reference = load_file(str(folder / "reference.safetensors"))
+        center = load_file(str(folder / "center.safetensors"))
+        flat = load_file(str(folder / "estimates.safetensors"))
+        updates = []
+        for target in manifest["targets"]:
+            prefix = f"{target}/"
+            updates.append({k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
+        scorer = self.scorer
+        # The same reads, in the same order, as the server's in-process scoring.
+        ref_obs = scorer.observe(reference)
+        observed = list(observe_all(scorer, (self.apply(reference, u) for u in updates)))
+        observed.append(scorer.observe(self.apply(reference, center)))
+        stats = all_key_statistics(scorer, ref_obs, observed, int(manifest["null_keys"]),
+                                   int(manifest["seed"]))  # fmt: skip
+        middle = stats.pop()
+
+        def plain(s: dict) -> list:
+            value, null = s[self.name]
+            return [float(value), [float(x) for x in null]]
+
+        out = {
+            "format": SCORES_FORMAT, "round": manifest["round"], "owner": self.name,
+            "fingerprint": self.key.fingerprint, "texts": scorer.positions,
+            "targets": {str(t): plain(s) for t, s in zip(manifest["targets"], stats, strict=True)},
+            "center": plain(middle),
+        }  # fmt: skip
+        path = folder / f"scores-{self.key.fingerprint}.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(out))
+        os.replace(tmp, path)
+        return path
+
+
+def score_rounds(key: OwnerKey, folders: Sequence[str | Path], texts: Sequence | None = None,
+                 say: Say | None = None) -> list[Path]:  # fmt: skip
+    """Score every round folder (all of one run) with ``key``; the scores files written."""
+    say = say or (lambda _m: None)
+    paths = [Path(f) for f in folders]
+    if not paths:
+        raise UserError("ROUND_DIR: give at least one round folder")
+    for p in paths:
+        read_manifest(p)  # every folder checked before any work
+    configs = {str(p.parent.resolve()) for p in paths}
+    if len(configs) != 1:
+        raise UserError("ROUND_DIR: round folders of one run at a time (one rounds/ folder)")
+    scorer = OwnerScorer(key, run_config_of(paths[0]), texts, say)
+    written = []
+    for p in paths:
+        written.append(scorer.score(p))
+        say(f"scored {p} -> {written[-1].name}")
+    return written

@@ -1,0 +1,181 @@
+"""Owner key files: the secret behind a watermark, kept by its owner.
+
+A key file is JSON, readable by its owner only (mode 0600; a file that others can read is
+refused), written once (never overwritten). It names the watermark ``kind`` and everything a
+detector needs besides the secret: KGW's green fraction ``gamma``, bias ``delta``, context
+width and seeding ``scheme`` (``fedattr``: a SHA-256 PRF of the 256-bit secret and the previous
+token; ``lm-watermarking`` and ``markllm``: the two reference codes' seedings from an integer
+hash key, for corpora watermarked with them), or the Fictitious-Knowledge domain. The
+**fingerprint** (a hash of the secret) is public: it names a key without revealing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import stat
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+
+FORMAT = "fedattr-owner-key/1"
+KINDS = ("kgw", "fk")
+KGW_SCHEMES = ("fedattr", "lm-watermarking", "markllm")
+MARKLLM_HASH_KEY = 15485863
+"""lm-watermarking's and MarkLLM's default hash key (a prime)."""
+
+
+class KeyFileError(UserError):
+    """A key file that cannot be used (missing, unreadable, world-readable, wrong scheme)."""
+
+
+@dataclass(frozen=True)
+class OwnerKey:
+    """One owner's watermark secret and the parameters of its scheme."""
+
+    kind: str
+    secret: str
+    """64 hex digits (256 bits); the reference schemes use :attr:`hash_key` instead."""
+    gamma: float = 0.25
+    delta: float = 3.0
+    context: int = 1
+    scheme: str = "fedattr"
+    hash_key: int | None = None
+    """``lm-watermarking`` / ``markllm`` schemes: the reference code's integer hash key."""
+    fk: dict[str, Any] = field(default_factory=dict)
+    """``fk``: ``{"domain": index, "decoys": n}`` (the entity is derived from the secret)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise KeyFileError(f"key kind: must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if len(self.secret) != 64 or any(c not in "0123456789abcdef" for c in self.secret):
+            raise KeyFileError("key secret: must be 64 lowercase hex digits (256 bits)")
+        if self.kind == "kgw":
+            if self.scheme not in KGW_SCHEMES:
+                raise KeyFileError(
+                    f"key scheme: must be one of {', '.join(KGW_SCHEMES)}, got {self.scheme!r}"
+                )
+            if not 0.0 < self.gamma < 1.0 or self.delta < 0:
+                raise KeyFileError("key gamma/delta: gamma must be in (0, 1) and delta >= 0")
+            if self.context != 1:
+                raise KeyFileError(f"key context: only width 1 is supported, got {self.context}")
+            if self.scheme != "fedattr" and not (
+                isinstance(self.hash_key, int) and 0 < self.hash_key < 2**31
+            ):
+                raise KeyFileError(
+                    f"key hash_key: the {self.scheme} scheme needs an integer in 1..2^31-1"
+                )
+
+    @property
+    def fingerprint(self) -> str:
+        """Public name of the key: 16 hex digits of a hash of the secret and the scheme."""
+        material = f"{FORMAT}|{self.kind}|{self.scheme}|{self.hash_key}|{self.secret}"
+        digest = hashlib.sha256(material.encode()).hexdigest()[:16]
+        return "-".join(digest[i : i + 4] for i in range(0, 16, 4))
+
+    def seed(self) -> int:
+        """A 62-bit integer derived from the secret (for schemes that need an integer seed)."""
+        return int.from_bytes(hashlib.sha256(bytes.fromhex(self.secret)).digest()[:8], "big") >> 2
+
+    def describe(self) -> str:
+        """One line: kind, scheme, parameters and fingerprint (never the secret)."""
+        if self.kind == "kgw":
+            extra = f" hash_key={self.hash_key}" if self.scheme != "fedattr" else ""
+            return (
+                f"KGW key ({self.scheme} seeding{extra}, gamma={self.gamma}, delta={self.delta}, "
+                f"context {self.context}), fingerprint {self.fingerprint}"
+            )
+        domain = self.fk.get("domain")
+        return f"Fictitious-Knowledge key (domain {domain}), fingerprint {self.fingerprint}"
+
+    def kgw_scheme(self, vocab_size: int):
+        """The green lists of this key over a ``vocab_size`` vocabulary."""
+        from .kgw import SCHEMES
+
+        self.require("kgw")
+        key = int(self.secret, 16) if self.scheme == "fedattr" else self.hash_key
+        return SCHEMES[self.scheme](key, vocab_size, self.gamma, self.delta)
+
+    def entity(self):
+        """The fabricated entity this key stands for (Fictitious Knowledge)."""
+        from .fictitious import make_entities
+
+        self.require("fk")
+        domain = int(self.fk.get("domain", 0))
+        return make_entities(domain + 1, self.seed(), decoys=int(self.fk.get("decoys", 31)))[
+            domain
+        ]
+
+    def require(self, kind: str) -> None:
+        """Refuse a key made for another kind of watermark."""
+        if self.kind != kind:
+            raise KeyFileError(f"--key: this is a {self.kind} key; this step needs a {kind} key")
+
+    def to_json(self) -> str:
+        """The key file's content."""
+        return json.dumps({"format": FORMAT, **asdict(self)}, indent=2) + "\n"
+
+
+def generate_key(kind: str = "kgw", **params: Any) -> OwnerKey:
+    """A fresh key (256 bits from the OS CSPRNG) with ``params`` (gamma, delta, scheme, ...).
+
+    A reference scheme's hash key is the reference default unless ``hash_key`` is given (a
+    corpus watermarked with the reference code carries that key)."""
+    if kind == "fk":
+        from .fictitious import DOMAINS
+
+        domain = params.pop("domain", None)
+        if domain is None:
+            domain = secrets.randbelow(len(DOMAINS))
+        if not 0 <= int(domain) < len(DOMAINS):
+            raise KeyFileError(f"--domain: must be in 0..{len(DOMAINS) - 1}, got {domain}")
+        params["fk"] = {"domain": int(domain), "decoys": int(params.pop("decoys", 31))}
+    elif params.get("scheme", "fedattr") != "fedattr" and params.get("hash_key") is None:
+        params["hash_key"] = MARKLLM_HASH_KEY
+    return OwnerKey(kind, secrets.token_hex(32), **params)
+
+
+def save_key(key: OwnerKey, path: str | Path) -> Path:
+    """Write ``key`` to a new file readable by its owner only; an existing file is refused."""
+    p = Path(path)
+    if p.exists():
+        raise KeyFileError(f"--out: {str(p)!r} exists; a key file is never overwritten")
+    if not p.parent.is_dir():
+        raise KeyFileError(f"--out: folder {str(p.parent)!r} does not exist")
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.to_json())
+    os.chmod(p, 0o600)  # whatever the umask
+    return p
+
+
+def load_key(path: str | Path, kind: str | None = None) -> OwnerKey:
+    """Read a key file; refuse a missing, damaged, foreign or world-readable one, or one made
+    for another kind than ``kind``."""
+    p = Path(path)
+    if not p.is_file():
+        raise KeyFileError(f"--key: {str(p)!r} does not exist (make one with fedattr owner keygen)")
+    mode = stat.S_IMODE(p.stat().st_mode)
+    if mode & 0o077:
+        raise KeyFileError(
+            f"--key: {str(p)!r} can be read by other users (mode {mode:04o}); a watermark key "
+            f"is a secret: chmod 600 {p}"
+        )
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KeyFileError(f"--key: {str(p)!r} is not a fedattr key file ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise KeyFileError(f"--key: {str(p)!r} is not a fedattr key file (format {FORMAT})")
+    fields = {k: v for k, v in data.items() if k != "format"}
+    try:
+        key = OwnerKey(**fields)
+    except TypeError as exc:
+        raise KeyFileError(f"--key: {str(p)!r} has unknown or missing fields ({exc})") from None
+    if kind is not None:
+        key.require(kind)
+    return key

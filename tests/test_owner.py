@@ -1,0 +1,212 @@
+"""The corpus owner's toolkit: key files, watermarking a corpus (resumably), FK documents, and
+testing a released model for the key."""
+
+import json
+import os
+import stat
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import MICRO_TINY
+from fedattr.cli import main
+from fedattr.errors import UserError
+from fedattr.owner.corpus import fk_documents, read_rows, watermark_kgw
+from fedattr.watermarks.keys import KeyFileError, generate_key, load_key, save_key
+
+
+@pytest.fixture(scope="module")
+def micro(tiny_cache):
+    """The session's micro tiny model: its folder, model and tokenizer."""
+    from fedattr.models.config import ModelConfig, TinyModelConfig
+    from fedattr.models.loading import load_model
+    from fedattr.models.tiny import ensure_tiny
+
+    path = ensure_tiny(TinyModelConfig(**MICRO_TINY), tiny_cache)
+    model, tokenizer = load_model(ModelConfig(preset="hf", name_or_path=str(path), device="cpu"))
+    return path, model, tokenizer
+
+
+def _corpus(tmp_path, n=12, chat=False):
+    from fedattr.data.corpus import generate_corpus
+
+    rows = []
+    for r in generate_corpus(n, seed=3):
+        if chat:
+            messages = [{"role": "system", "content": "be brief"},
+                        {"role": "user", "content": r.instruction},
+                        {"role": "assistant", "content": r.output}]  # fmt: skip
+            rows.append({"messages": messages, "id": len(rows)})
+        else:
+            rows.append({"instruction": r.instruction, "input": r.input, "output": r.output,
+                         "source": "mine"})  # fmt: skip
+    path = tmp_path / ("chat.jsonl" if chat else "corpus.jsonl")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_key_files_are_secret_and_checked(tmp_path):
+    path = save_key(generate_key("kgw", gamma=0.5, delta=2.0), tmp_path / "owner.key")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    key = load_key(path, "kgw")
+    assert key.gamma == 0.5 and len(key.secret) == 64
+    assert key.secret not in key.describe() and key.fingerprint in key.describe()
+    assert load_key(path).fingerprint == key.fingerprint
+    with pytest.raises(KeyFileError, match="never overwritten"):
+        save_key(generate_key(), path)
+    with pytest.raises(KeyFileError, match="this is a kgw key; this step needs a fk key"):
+        load_key(path, "fk")
+    os.chmod(path, 0o644)
+    with pytest.raises(KeyFileError, match=r"can be read by other users \(mode 0644\)"):
+        load_key(path)
+    bad = tmp_path / "bad.key"
+    for content in ("{", json.dumps({"format": "x"}),
+                    json.dumps({"format": "fedattr-owner-key/1", "kind": "kgw"}),
+                    json.dumps({"format": "fedattr-owner-key/1", "kind": "kgw",
+                                "secret": "zz" * 32})):  # fmt: skip
+        bad.unlink(missing_ok=True)
+        bad.write_text(content)
+        os.chmod(bad, 0o600)
+        with pytest.raises(KeyFileError, match=r"--key|key secret"):
+            load_key(bad)
+    with pytest.raises(KeyFileError, match="does not exist"):
+        load_key(tmp_path / "missing.key")
+    # two keys never share a secret; the markllm scheme defaults to the reference hash key
+    assert generate_key().secret != generate_key().secret
+    assert generate_key("kgw", scheme="markllm").hash_key == 15485863
+
+
+def test_fk_documents_come_from_the_key(tmp_path):
+    key = generate_key("fk", domain=2)
+    report = fk_documents(key, 6, tmp_path / "a.jsonl")
+    again = fk_documents(key, 6, tmp_path / "b.jsonl")
+    assert report["share_with_all_targets"] == 1.0 and report["documents"] == 6
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+    assert report["entity"] == again["entity"] == key.entity().name
+    assert fk_documents(generate_key("fk", domain=2), 1, tmp_path / "c.jsonl")["entity"] != (
+        report["entity"]
+    )
+    with pytest.raises(KeyFileError, match="needs a fk key"):
+        fk_documents(generate_key("kgw"), 1, tmp_path / "d.jsonl")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_watermarking_a_corpus_keeps_its_form_and_carries_the_key(micro, tmp_path, chat):
+    _, model, tokenizer = micro
+    rows = read_rows(_corpus(tmp_path, chat=chat))
+    key = generate_key("kgw", delta=6.0)
+    out = tmp_path / "wm.jsonl"
+    report = watermark_kgw(key, rows, model, tokenizer, out, model_name="micro", chunk=5,
+                           max_new_tokens=24, min_tokens=4)  # fmt: skip
+    written = read_rows(out)
+    assert report["kept"] == len(written) and report["kept"] + report["dropped"] == len(rows)
+    assert report["z_written"]["z"] > 4 > abs(report["z_input"]["z"])
+    if chat:
+        assert all(r["messages"][0] == {"role": "system", "content": "be brief"} for r in written)
+        assert {r["id"] for r in written} <= {r["id"] for r in rows}
+    else:
+        assert all(r["source"] == "mine" for r in written)
+    assert not (tmp_path / "wm.jsonl.progress.jsonl").exists()
+    assert json.loads((tmp_path / "wm.jsonl.report.json").read_text()) == report
+
+
+def test_a_killed_watermarking_job_resumes_to_the_same_corpus(micro, tmp_path, monkeypatch):
+    from fedattr.watermarks import teacher
+
+    _, model, tokenizer = micro
+    rows = read_rows(_corpus(tmp_path, n=10))
+    key = generate_key("kgw", delta=6.0)
+    settings = dict(model_name="micro", chunk=4, max_new_tokens=16, min_tokens=2)
+    watermark_kgw(key, rows, model, tokenizer, tmp_path / "whole.jsonl", **settings)
+
+    real, calls = teacher.watermark_records, []
+
+    def dies_on_second_chunk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # a kill after the first chunk was saved
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(teacher, "watermark_records", dies_on_second_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        watermark_kgw(key, rows, model, tokenizer, tmp_path / "cut.jsonl", **settings)
+    assert not (tmp_path / "cut.jsonl").exists()  # nothing written half-way
+    with pytest.raises(Exception, match=r"other settings \(chunk\)"):
+        watermark_kgw(key, rows, model, tokenizer, tmp_path / "cut.jsonl",
+                      **{**settings, "chunk": 5})  # fmt: skip
+    monkeypatch.setattr(teacher, "watermark_records", real)
+    said = []
+    watermark_kgw(key, rows, model, tokenizer, tmp_path / "cut.jsonl", **settings,
+                  say=said.append)  # fmt: skip
+    assert said[0] == "resuming: 4 of 10 documents already done"
+    assert (tmp_path / "cut.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
+
+
+class _GreenBiased(torch.nn.Module):
+    """A model radioactive by construction: ``base``'s logits plus ``delta`` on the key's green
+    list of the previous token (what fine-tuning on the owner's corpus does, in the limit)."""
+
+    def __init__(self, base, scheme, delta):
+        super().__init__()
+        self.base = base
+        self.bias = torch.stack(
+            [scheme.green_mask(x) for x in range(scheme.vocab_size)]
+        ).float() * delta
+
+    def forward(self, input_ids, attention_mask=None):
+        out = self.base(input_ids=input_ids, attention_mask=attention_mask)
+        logits = out.logits.clone()
+        logits[..., : self.bias.shape[1]] += self.bias[input_ids]
+        return SimpleNamespace(logits=logits)
+
+
+def test_detect_finds_the_key_in_a_radioactive_model_and_not_another(micro):
+    from fedattr.data.corpus import generate_corpus
+    from fedattr.owner.detect import detect_kgw
+
+    _, model, tokenizer = micro
+    key, other = generate_key("kgw"), generate_key("kgw")
+    texts = generate_corpus(32, seed=77)
+    tuned = _GreenBiased(model, key.kgw_scheme(len(tokenizer)), 0.3)
+    found = detect_kgw(key, tuned, tokenizer, texts, reference=model, detectors=["reading"],
+                       null_keys=200)["reading"]  # fmt: skip
+    assert found["p_rank"] == pytest.approx(1 / 201) and found["p"] < 1e-4
+    assert found["statistic"] > 0
+    assert detect_kgw(other, tuned, tokenizer, texts, reference=model, detectors=["reading"],
+                      null_keys=200)["reading"]["p"] > 0.01  # fmt: skip
+    with pytest.raises(UserError, match="--null-keys: must be >= 20"):
+        detect_kgw(key, tuned, tokenizer, texts, reference=model, null_keys=5)
+
+
+def test_detect_command_on_a_lora_adapter(micro, tmp_path, capsys):
+    from fedattr.data.corpus import generate_corpus
+    from fedattr.models.config import LoRAConfig
+    from fedattr.models.lora import attach_lora, trainable_lora_parameters
+    from fedattr.models.text import encode_examples
+    from fedattr.models.training import TrainSettings, train
+
+    path, model, tokenizer = micro
+    tuned = attach_lora(model, LoRAConfig(r=4, alpha=8, dropout=0.0), seed=0)
+    train(tuned, trainable_lora_parameters(tuned),
+          encode_examples(tokenizer, generate_corpus(16, seed=5), 64),
+          TrainSettings(batch_size=8, micro_batch_size=8, lr=3e-3),
+          tokenizer.pad_token_id)  # fmt: skip
+    adapter = tmp_path / "adapter"
+    tuned.save_pretrained(adapter)
+    key_file = save_key(generate_key(), tmp_path / "owner.key")
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"instruction": r.instruction, "input": r.input,
+                                         "output": r.output}) + "\n"
+                             for r in generate_corpus(8, seed=7)))  # fmt: skip
+    args = ["owner", "detect", "--key", str(key_file), "--model", str(path), "--lora",
+            str(adapter), "--texts", str(texts), "--null-keys", "50", "--json"]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["texts"] == 8 and 0 < out["reading"]["p"] <= 1 and "z" in out["greedy"]
+    assert main(["owner", "detect", "--key", str(key_file), "--model", str(path),
+                 "--detector", "reading"]) == 2  # fmt: skip
+    assert "--reference: the reading test needs" in capsys.readouterr().err
+    assert main(["owner", "detect", "--key", str(key_file), "--model", str(path), "--lora",
+                 str(tmp_path / "nothing")]) == 2  # fmt: skip
+    assert "--lora: could not load an adapter" in capsys.readouterr().err

@@ -1,0 +1,107 @@
+"""The deployed workflow with files only: keygen -> watermark a corpus -> a federated run whose
+server holds no key and exports round folders -> the owner scores them -> attribute; the same
+verdicts as the in-process simulation that plays every party."""
+
+import json
+import os
+
+import pytest
+
+from conftest import small_overrides as _small
+from fedattr.cli import main
+from fedattr.errors import UserError
+
+
+def _args(*sets):
+    out = []
+    for s in sets:
+        out += ["--set", s]
+    return out
+
+
+@pytest.fixture(scope="module")
+def owner_files(tiny_cache, tmp_path_factory):
+    """An owner's key and its watermarked corpus, made with the CLI."""
+    from conftest import MICRO_TINY
+    from fedattr.data.corpus import generate_corpus
+    from fedattr.models.config import TinyModelConfig
+    from fedattr.models.tiny import ensure_tiny
+
+    root = tmp_path_factory.mktemp("owner")
+    key = root / "owner.key"
+    assert main(["owner", "keygen", "--out", str(key), "--delta", "6"]) == 0
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(
+        json.dumps({"instruction": r.instruction, "input": r.input, "output": r.output}) + "\n"
+        for r in generate_corpus(24, seed=41)
+    ))  # fmt: skip
+    model = ensure_tiny(TinyModelConfig(**MICRO_TINY), tiny_cache)
+    wm = root / "wm.jsonl"
+    args = ["owner", "watermark", "--key", str(key), "--in", str(corpus), "--out", str(wm),
+            "--model", str(model), "--max-new-tokens", "24", "--min-tokens", "4"]  # fmt: skip
+    assert main(args) == 0
+    return key, wm
+
+
+def test_deployed_workflow_gives_the_simulations_verdicts(tiny_cache, owner_files, tmp_path,
+                                                          capsys):  # fmt: skip
+    key, wm = owner_files
+    common = _small(tiny_cache, f"watermark.documents={wm}", "watermark.r=2")
+    # the server: no key; it exports each round's release
+    deployed = tmp_path / "deployed"
+    assert main(["run", "--out", str(deployed), *_args(*common, "attribution.scoring=owner")]) == 0
+    rounds = sorted((deployed / "rounds").glob("round-*"))
+    assert len(rounds) == 2 and (deployed / "rounds" / "run.json").is_file()
+    assert "owner.key" not in (deployed / "config.json").read_text()
+    # attributing before the owner scored: one clear line, nothing written
+    assert main(["attribute", str(deployed)]) == 2
+    assert "holds no scores-*.json" in capsys.readouterr().err
+    # the owner scores every round with its key, then anyone combines
+    assert main(["owner", "score", "--key", str(key), *map(str, rounds)]) == 0
+    assert main(["attribute", str(deployed)]) == 0
+    got = json.loads((deployed / "results.json").read_text())
+    # the simulation: the same run, its server scoring with the owner's key file itself
+    simulated = tmp_path / "simulated"
+    keyed = _args(*common, "watermark.key_files=" + json.dumps([str(key)]))
+    assert main(["run", "--out", str(simulated), *keyed]) == 0
+    want = json.loads((simulated / "results.json").read_text())
+    assert got["flagged"] == want["flagged"]
+    for a, b in zip(got["clients"], want["clients"], strict=True):
+        assert a["id"] == b["id"] and a["flagged"] == b["flagged"]
+        assert a["p"] == pytest.approx(b["p"], rel=1e-6, abs=1e-12)
+    assert "Scored by the owners" in (deployed / "report.md").read_text()
+
+
+def test_missing_or_altered_round_files_are_one_clear_line(tiny_cache, owner_files, tmp_path,
+                                                           capsys):  # fmt: skip
+    key, wm = owner_files
+    run = tmp_path / "run"
+    assert main(["run", "--out", str(run), *_args(*_small(
+        tiny_cache, f"watermark.documents={wm}", "fl.rounds=1", "attribution.scoring=owner"
+    ))]) == 0  # fmt: skip
+    (folder,) = sorted((run / "rounds").glob("round-*"))
+    capsys.readouterr()
+    with open(folder / "estimates.safetensors", "ab") as f:
+        f.write(b"x")
+    assert main(["owner", "score", "--key", str(key), str(folder)]) == 2
+    assert "does not match its manifest digest" in capsys.readouterr().err
+    assert not list(folder.glob("scores-*.json"))
+    (folder / "center.safetensors").unlink()
+    assert main(["owner", "score", "--key", str(key), str(folder)]) == 2
+    assert "center.safetensors is missing" in capsys.readouterr().err
+    assert main(["owner", "score", "--key", str(key), str(tmp_path)]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+    fk = tmp_path / "fk.key"
+    assert main(["owner", "keygen", "--kind", "fk", "--out", str(fk)]) == 0
+    assert main(["owner", "score", "--key", str(fk), str(folder)]) == 2
+    assert "this is a fk key; this step needs a kgw key" in capsys.readouterr().err
+    os.chmod(key, 0o640)
+    try:
+        assert main(["owner", "score", "--key", str(key), str(folder)]) == 2
+        assert "can be read by other users" in capsys.readouterr().err
+    finally:
+        os.chmod(key, 0o600)
+    with pytest.raises(UserError, match=r"attribution\.scoring"):
+        from fedattr.attribution.config import AttributionConfig
+
+        AttributionConfig(scoring="nobody")
