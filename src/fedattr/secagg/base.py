@@ -220,8 +220,17 @@ class SecureAggregator(ABC):
 
     def submit(self, client_id: int, update: Update) -> None:
         """Client ``client_id`` hands its update to the protocol (once per round)."""
+        self._check_submitter(client_id, "submit")
+        layout = self._layout or UpdateLayout.of(update)
+        flat = layout.flatten(update)
+        self._receive(client_id, flat)
+        self._layout = layout
+        self._submitted.add(client_id)
+
+    def _check_submitter(self, client_id: int, step: str) -> None:
+        """Refuse a submission outside an open round, from a stranger, or made twice."""
         if self._round is None:
-            raise SecAggError("submit: no round is open")
+            raise SecAggError(f"{step}: no round is open")
         if client_id not in self._clients:
             raise SecAggError(
                 f"client_id: {client_id} is not registered for round {self._round} "
@@ -229,11 +238,6 @@ class SecureAggregator(ABC):
             )
         if client_id in self._submitted:
             raise SecAggError(f"client_id: {client_id} already submitted in round {self._round}")
-        layout = self._layout or UpdateLayout.of(update)
-        flat = layout.flatten(update)
-        self._receive(client_id, flat)
-        self._layout = layout
-        self._submitted.add(client_id)
 
     def subset_sum(self, subset: Iterable[int]) -> Update:
         """``S(W)`` in the structure the clients submitted."""

@@ -253,15 +253,7 @@ class RemoteMaskingServer(SecureAggregator):
     ) -> None:
         """Client ``client_id`` trained and holds its update; ``layout`` is its
         :class:`~fedattr.updates.UpdateLayout` (or that layout's ``to_dict()``)."""
-        if self._round is None:
-            raise SecAggError("register: no round is open")
-        if client_id not in self._clients:
-            raise SecAggError(
-                f"client_id: {client_id} is not registered for round {self._round} "
-                f"(registered: {list(self._clients)})"
-            )
-        if client_id in self._submitted:
-            raise SecAggError(f"client_id: {client_id} already submitted in round {self._round}")
+        self._check_submitter(client_id, "register")
         if len(public_key) != _KEY_BYTES:
             raise SecAggError(f"client {client_id}: a public key must be 32 bytes")
         if not isinstance(layout, UpdateLayout):
