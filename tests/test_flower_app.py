@@ -188,3 +188,26 @@ def test_tiny_llm_federation_on_supernodes_equals_the_in_process_run(tiny_cache,
     assert _z(remote) == _z(local)
     assert remote.rounds[0]["train_loss"] == local.rounds[0]["train_loss"]
     assert (folder.path / "report.md").is_file()
+
+
+def test_an_interrupted_flower_run_resumes_to_the_same_results(tiny_cache, tmp_path):
+    cfg = load(RunConfig, None, _small(tiny_cache))
+    first = _claimed(tmp_path / "a", cfg)
+    whole = serve(LocalGrid(range(cfg.fl.K)), {"run-folder": str(first.path)}, say=lambda _m: None)
+
+    class Killed(LocalGrid):
+        def push_messages(self, messages):
+            if any(m.metadata.message_type == "train" and m.metadata.group_id == "2"
+                   for m in messages):  # fmt: skip
+                raise KeyboardInterrupt  # the ServerApp is killed during round 2
+            return super().push_messages(messages)
+
+    folder = _claimed(tmp_path / "b", cfg)
+    with pytest.raises(KeyboardInterrupt):
+        serve(Killed(range(cfg.fl.K)), {"run-folder": str(folder.path)}, say=lambda _m: None)
+    assert folder.status == "interrupted"
+    said = []
+    again = serve(LocalGrid(range(cfg.fl.K)), {"run-folder": str(folder.path)}, say=said.append)
+    assert "resuming after round 1 of 2" in said
+    assert _z(again) == _z(whole)
+    assert folder.status == "finished" and not folder.checkpoint_path.exists()

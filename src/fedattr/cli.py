@@ -286,7 +286,17 @@ def _cmd_flower_local(args: argparse.Namespace) -> int:
     from .flower.launch import run_loopback
 
     command = "demo" if args.demo else "run"
-    if args.demo:
+    if args.resume:
+        # The folder's own configuration: nothing may change on resume (as fedattr run).
+        if args.config or args.set or args.out or args.preset or args.demo:
+            raise UserError("--resume: takes the run folder's own config.json; drop "
+                            "--config/--set/--out/--preset/--demo")  # fmt: skip
+        from .config import from_dict
+
+        folder = RunFolder(args.resume, "--resume")
+        cfg = from_dict(RunConfig, folder.resumable_config())
+        default = None
+    elif args.demo:
         if args.preset:
             raise UserError("--preset: for LLM runs; drop it with --demo")
         cfg = load(DemoConfig, args.config, args.set)
@@ -294,8 +304,9 @@ def _cmd_flower_local(args: argparse.Namespace) -> int:
     else:
         cfg = load(RunConfig, args.config, preset_overrides(args.preset or "tiny") + args.set)
         default = f"{_default_run_dir(cfg)}-flower"
-    folder = RunFolder(args.out or default)
-    folder.claim(to_dict(cfg))  # before any process starts: a bad --out costs nothing
+    if default is not None:
+        folder = RunFolder(args.out or default)
+        folder.claim(to_dict(cfg))  # before any process starts: a bad --out costs nothing
     node_config = {}
     for item in args.node_config:
         key, sep, value = item.partition("=")
@@ -654,6 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a node has to answer one message (default 600)")  # fmt: skip
     fl.add_argument("--node-config", action="append", default=[], metavar="KEY=VALUE",
                     help="a SuperNode setting for every node, e.g. min-members=5")  # fmt: skip
+    fl.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted LLM run "
+                    "after its last finished round (its own configuration)")  # fmt: skip
     fl.add_argument("--json", action="store_true", help="print results.json")
     fl.set_defaults(func=_cmd_flower_local)
     fa = flower_sub.add_parser("app", help="write the Flower app project for flwr run")

@@ -341,7 +341,8 @@ def run_loopback(
     app = write_app(work / "app")
     results, error = folder.file("results.json"), folder.file(ERROR_FILE)
     progress = folder.file(PROGRESS_FILE)
-    shown = 0
+    error.unlink(missing_ok=True)  # a resumed run's earlier failure
+    shown = len(progress.read_text().splitlines()) if progress.is_file() else 0
 
     def finished() -> bool:
         nonlocal shown

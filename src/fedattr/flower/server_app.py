@@ -107,6 +107,7 @@ def serve(grid: Grid, run_config: Mapping[str, Any], say: Callable[[str], None] 
         "message_seconds": {k: round(v, 3) for k, v in link.seconds.items()},
     }  # fmt: skip
     result.write(folder)
+    folder.clear_checkpoint()
     say(f"results written to {folder}")
     return result
 
