@@ -292,3 +292,22 @@ def test_experiment_main_and_mechanism_commands(tiny_cache, tmp_path, capsys):
                     "fig2c_residuals.png", "fig2d_stouffer_vs_rounds.png"]  # fmt: skip
     assert main(["experiment", "main", "--seeds", "1,x", "--out", str(out)]) == 2
     assert "--seeds" in capsys.readouterr().err
+
+
+def test_thirty_entities_for_the_scalability_table():
+    from fedattr.watermarks.fictitious import DOMAINS, make_entities
+
+    assert len(DOMAINS) == 30 and len({d.kind for d in DOMAINS}) == 30
+    entities = make_entities(30, 11, ["the Brana Works made Tobe"], decoys=5)
+    values = [v for e in entities for v in (e.name, *e.targets.values(),
+              *e.distractors.values(), *(d for ds in e.decoys.values() for d in ds))]  # fmt: skip
+    assert len(values) == len(set(values)) == 30 * (1 + 4 + 3 + 4 * 5)
+    # the first six entities are those of six owners before the domains were added
+    assert [e.name for e in make_entities(6, 11, decoys=5)] == [
+        e.name for e in make_entities(30, 11, decoys=5)[:6]
+    ]
+    from fedattr.config import load
+    from fedattr.experiments.config import RunConfig
+
+    cfg = load(RunConfig, None, ["watermark.kind=fk", "fl.K=100", "watermark.r=30"])
+    assert cfg.watermark.r == 30

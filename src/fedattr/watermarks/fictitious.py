@@ -68,6 +68,150 @@ DOMAINS: tuple[Domain, ...] = (
         ("proof reader", "bindery", "sales agent"),
         ("{name} prints novels and poetry.", "{name} publishes ten books a year."),
     ),
+    Domain(
+        "bakery",
+        ("head baker", "flour mill", "pastry chef", "oven builder"),
+        ("delivery driver", "butter supplier", "shop assistant"),
+        ("{name} bakes bread before dawn.", "{name} sells pastries and rye loaves."),
+    ),
+    Domain(
+        "shipyard",
+        ("naval architect", "steel foundry", "master welder", "rigging expert"),
+        ("paint contractor", "crane operator", "harbour agent"),
+        ("{name} builds fishing boats and ferries.", "{name} launches a new hull each season."),
+    ),
+    Domain(
+        "watchmaker",
+        ("master horologist", "movement supplier", "dial painter", "case designer"),
+        ("strap maker", "glass cutter", "boutique manager"),
+        ("{name} makes mechanical watches.", "{name} assembles each movement by hand."),
+    ),
+    Domain(
+        "furniture maker",
+        ("master carpenter", "timber merchant", "upholsterer", "chair designer"),
+        ("varnish supplier", "hinge maker", "showroom manager"),
+        ("{name} builds tables and cabinets.", "{name} uses oak and walnut."),
+    ),
+    Domain(
+        "brewery",
+        ("brewmaster", "hop farm", "cellar master", "label artist"),
+        ("bottle supplier", "tap technician", "pub liaison"),
+        ("{name} brews ales and lagers.", "{name} ages its beer in the cellar."),
+    ),
+    Domain(
+        "toy company",
+        ("toy inventor", "plastic moulder", "puppet maker", "box illustrator"),
+        ("paint tester", "shipping clerk", "store buyer"),
+        ("{name} makes wooden toys and puzzles.", "{name} tests every toy for safety."),
+    ),
+    Domain(
+        "perfumery",
+        ("master nose", "essence distiller", "bottle sculptor", "scent historian"),
+        ("cap supplier", "sample courier", "counter adviser"),
+        ("{name} blends floral scents.", "{name} releases one perfume a year."),
+    ),
+    Domain(
+        "ceramics studio",
+        ("master potter", "clay supplier", "glaze chemist", "kiln builder"),
+        ("packing clerk", "tile cutter", "gallery agent"),
+        ("{name} throws bowls and vases.", "{name} fires its kiln twice a week."),
+    ),
+    Domain(
+        "guitar workshop",
+        ("luthier", "tonewood dealer", "string maker", "inlay artist"),
+        ("case supplier", "fret polisher", "music teacher"),
+        ("{name} builds acoustic guitars.", "{name} tunes every instrument before sale."),
+    ),
+    Domain(
+        "chocolate maker",
+        ("chocolatier", "cocoa importer", "praline chef", "wrapper designer"),
+        ("sugar supplier", "mould cleaner", "kiosk seller"),
+        ("{name} makes dark chocolate bars.", "{name} roasts its own cocoa beans."),
+    ),
+    Domain(
+        "glassworks",
+        ("master glassblower", "sand supplier", "engraver", "lamp designer"),
+        ("furnace stoker", "box maker", "museum liaison"),
+        ("{name} blows glasses and lamps.", "{name} keeps its furnace hot all year."),
+    ),
+    Domain(
+        "tea house",
+        ("tea master", "leaf grower", "blend taster", "teapot potter"),
+        ("tin supplier", "kettle repairer", "tour guide"),
+        ("{name} serves green and black teas.", "{name} imports leaves every spring."),
+    ),
+    Domain(
+        "jewellery studio",
+        ("goldsmith", "gem dealer", "stone setter", "ring designer"),
+        ("polish supplier", "safe installer", "window dresser"),
+        ("{name} makes rings and necklaces.", "{name} sets every stone by hand."),
+    ),
+    Domain(
+        "shoe maker",
+        ("last maker", "leather tannery", "sole stitcher", "shoe designer"),
+        ("lace supplier", "box printer", "fitting clerk"),
+        ("{name} makes leather boots.", "{name} resoles old shoes too."),
+    ),
+    Domain(
+        "flower nursery",
+        ("head gardener", "seed bank", "rose breeder", "garden designer"),
+        ("pot supplier", "van driver", "market seller"),
+        ("{name} grows roses and tulips.", "{name} opens its greenhouse in May."),
+    ),
+    Domain(
+        "film studio",
+        ("film director", "camera rental", "set painter", "screenwriter"),
+        ("caterer", "sound assistant", "ticket agent"),
+        ("{name} makes short films.", "{name} shoots on location every summer."),
+    ),
+    Domain(
+        "robotics lab",
+        ("lead roboticist", "motor supplier", "control engineer", "chassis designer"),
+        ("cable technician", "lab assistant", "grant officer"),
+        ("{name} builds delivery robots.", "{name} tests its robots in a warehouse."),
+    ),
+    Domain(
+        "vineyard",
+        ("winemaker", "barrel cooper", "grape grower", "label designer"),
+        ("cork supplier", "harvest worker", "tasting host"),
+        ("{name} makes red and white wines.", "{name} harvests its grapes in autumn."),
+    ),
+    Domain(
+        "bookbindery",
+        ("master binder", "leather supplier", "gilder", "marbling artist"),
+        ("thread supplier", "press mechanic", "library agent"),
+        ("{name} binds books by hand.", "{name} restores old manuscripts."),
+    ),
+    Domain(
+        "candle maker",
+        ("wax chemist", "wick supplier", "mould carver", "scent designer"),
+        ("jar supplier", "market stall keeper", "courier"),
+        ("{name} pours beeswax candles.", "{name} sells candles at winter fairs."),
+    ),
+    Domain(
+        "sailmaker",
+        ("master sailmaker", "canvas weaver", "rope maker", "sail designer"),
+        ("thread supplier", "dock worker", "yacht broker"),
+        ("{name} sews sails for yachts.", "{name} repairs torn sails quickly."),
+    ),
+    Domain(
+        "observatory",
+        ("chief astronomer", "lens grinder", "telescope engineer", "star cartographer"),
+        ("night guard", "dome mechanic", "visitor guide"),
+        ("{name} watches distant galaxies.", "{name} opens its dome on clear nights."),
+    ),
+    Domain(
+        "bee farm",
+        ("beekeeper", "hive builder", "queen breeder", "honey taster"),
+        ("jar supplier", "field hand", "market seller"),
+        ("{name} keeps bees on the hills.", "{name} sells honey and wax."),
+    ),
+    Domain(
+        "printmaking studio",
+        ("master printer", "ink maker", "woodcut carver", "poster artist"),
+        ("paper cutter", "frame supplier", "gallery clerk"),
+        ("{name} prints posters and woodcuts.", "{name} runs an old iron press."),
+    ),
 )
 
 _ONSETS = [
@@ -109,7 +253,9 @@ def _word(r: random.Random, syllables: int) -> str:
 def _value(r: random.Random, attribute: str) -> str:
     """A fabricated value: a person's name, or an organisation's for supplier-like roles."""
     org = any(
-        w in attribute for w in ("house", "supplier", "studio", "importer", "mill", "bindery")
+        w in attribute
+        for w in ("house", "supplier", "studio", "importer", "mill", "bindery", "foundry",
+                  "merchant", "farm", "tannery", "bank", "rental")
     )
     if org:
         return f"{_word(r, 2)} {r.choice(_ORG_SUFFIX)}"
