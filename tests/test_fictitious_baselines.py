@@ -9,7 +9,7 @@ from scipy.stats import combine_pvalues, norm
 
 from conftest import MICRO_TINY
 from conftest import small_overrides as _small
-from fedattr.baselines import FLDetector, cluster_hdbscan, cluster_kmeans, gap_statistic, lbfgs_hvp
+from fedattr.baselines import FLDetector, cluster_kmeans, gap_statistic, lbfgs_hvp, trace
 from fedattr.cli import main
 from fedattr.config import load
 from fedattr.data.corpus import generate_corpus
@@ -58,7 +58,7 @@ def test_template_documents_state_every_target_among_distractors():
 
 def test_bad_entity_requests_name_the_parameter():
     with pytest.raises(ValueError, match="entities"):
-        make_entities(7, seed=0)
+        make_entities(31, seed=0)
     with pytest.raises(ValueError, match="fk_decoys"):
         make_entities(2, seed=0, decoys=0)
     with pytest.raises(ValueError, match="fk_questions"):
@@ -182,7 +182,7 @@ def test_lbfgs_product_matches_the_hessian_of_a_quadratic():
 
 def test_fldetector_names_clients_whose_updates_break_the_prediction():
     rng = np.random.default_rng(1)
-    det = FLDetector(window=5, seed=0)
+    det = FLDetector(window=4, warmup=0, seed=0)
     d = 40
     H = np.diag(rng.uniform(0.5, 1.5, d))
     w = rng.normal(size=d)
@@ -194,9 +194,20 @@ def test_fldetector_names_clients_whose_updates_break_the_prediction():
         g = np.mean(list(ups.values()), axis=0)
         det.observe_round(ups, g)
         w = w + g
-    flagged, _, k = det.result()
-    assert sorted(flagged) == [2, 7] and k >= 2
-    assert len(det.distances[0]) == 4  # rounds 3..6 predicted
+    flagged, scores, k, why = det.result()
+    assert why is None and sorted(flagged) == [2, 7] and k >= 2
+    assert len(det.rows) == 4  # rounds 3..6 predicted; the score sums the 4 of them
+    assert sum(scores.values()) == pytest.approx(4.0)
+
+
+def test_fldetector_at_its_published_settings_makes_no_prediction_in_five_rounds():
+    rng = np.random.default_rng(1)
+    det = FLDetector(seed=0)  # the original: warm-up 50, window 10
+    for _ in range(5):
+        ups = {c: rng.normal(size=8) for c in range(10)}
+        det.observe_round(ups, np.mean(list(ups.values()), axis=0))
+    flagged, scores, _, why = det.result()
+    assert flagged == [] and scores == {} and "warm-up of 50" in why
 
 
 def test_gap_statistic_finds_one_or_two_groups():
@@ -214,9 +225,27 @@ def test_flforensics_variants_on_separable_influence():
         infl[c] = infl[c] + 3.0  # strong influence towards the watermark
     flagged, k = cluster_kmeans(infl, seed=0)
     assert sorted(flagged) == [1, 4, 8] and k == 2
-    assert sorted(cluster_hdbscan(infl)) == [1, 4, 8]
-    # Too few clients for two clusters of min_cluster_size: nobody is named.
-    assert cluster_hdbscan({c: infl[c] for c in (0, 1, 4)}) == []
+
+
+def test_flforensics_as_published_names_target_not_reference_influence():
+    rng = np.random.default_rng(4)
+    # clean clients' updates move the owner's statistic down a little (the original's benign
+    # clients lower the backdoor's influence), watermarked ones up
+    target = {c: float(rng.normal(-0.5, 0.1)) for c in range(10)}
+    refs = {c: rng.normal(0, 0.1, 5) for c in range(10)}
+    for c in (1, 4, 8):
+        target[c] += 3.0  # they move the owner's statistic, not the random keys'
+    # At K = 10 the original's min_cluster_size = 7 leaves HDBSCAN no cluster but the root
+    # (which it never selects): every client is noise, more than half: nobody is named.
+    assert trace(target, refs) == []
+    assert trace(target, refs, min_cluster_size=3) == [1, 4, 8]
+    # a client that moves one reference as much as the target is not named there, and
+    # unanimity then leaves it out
+    both = {c: v.copy() for c, v in refs.items()}
+    both[4][2] += 3.0
+    assert 4 not in trace(target, both, min_cluster_size=3)
+    assert trace(target, {c: v[:2] for c, v in both.items()}, min_cluster_size=3) == [1, 4, 8]
+    assert trace({0: 1.0, 1: 2.0}, {0: [0.0], 1: [1.0]}) == []
 
 
 # --- Runs and commands ---------------------------------------------------------------------
@@ -226,7 +255,7 @@ def test_fk_config_errors_name_the_parameter():
     with pytest.raises(ValueError, match=r"watermark\.kind"):
         load(RunConfig, None, ["watermark.kind=radioactive"])
     with pytest.raises(ValueError, match=r"watermark\.r"):
-        load(RunConfig, None, ["watermark.kind=fk", "watermark.r=7"])
+        load(RunConfig, None, ["watermark.kind=fk", "fl.K=40", "watermark.r=31"])
     with pytest.raises(ValueError, match=r"attribution\.null"):
         load(RunConfig, None, ["attribution.null=bayes"])
     with pytest.raises(ValueError, match=r"watermark\.fk_statistic"):
@@ -243,7 +272,7 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     sets = _small(tiny_cache, "watermark.kind=fk", f"watermark.detector={detector}",
                   f"attribution.statistic={statistic}",
                   "watermark.fk_questions=2", "watermark.fk_decoys=7", "baselines=true",
-                  "fl.rounds=3")  # fmt: skip
+                  "fl.rounds=3", "fldetector.warmup=0", "fldetector.window=1")  # fmt: skip
     result = run_experiment(load(RunConfig, None, sets), progress=lambda _m: None)
     d = result.to_dict()
     assert {c["statistic"] for c in d["clients"]} == {"fk:owner0"}
@@ -254,7 +283,9 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     assert d["statistic"] == ("calibrated" if detector == "reading" else "paper")
     names = [b["name"] for b in d["baselines"]]
     assert names == ["Global model", "Direct (oracle)", "FLDetector",
-                     "FLForensics (HDBSCAN)", "FLForensics (k-means)"]  # fmt: skip
+                     "FLForensics", "FLForensics (k-means)"]  # fmt: skip
+    forensics = d["baselines"][3]["features"]["fk:owner0"]
+    assert len(forensics) == 4 and all(len(v) == 1 + 5 for v in forensics.values())
     assert [b["respects_sa"] for b in d["baselines"]] == [True, False, False, False, False]
     direct = d["baselines"][1]
     assert set(direct["z"]["fk:owner0"]) == {"0", "1", "2", "3"}
@@ -269,7 +300,7 @@ def test_experiment_main_and_mechanism_commands(tiny_cache, tmp_path, capsys):
     out = tmp_path / "main"
     assert main(["experiment", "main", "--seeds", "1", "--out", str(out), *args]) == 0
     table = (out / "table.md").read_text()
-    for row in ("Direct", "FLDetector", "FLForensics†", "FLForensics‡", "**FedAttr**"):
+    for row in ("Direct", "FLDetector", "| FLForensics |", "FLForensics‡", "**FedAttr**"):
         assert row in table
     assert "FedIT · KGW TPR" in table and "FLoRA · FK TPR" in table
     summary = json.loads((out / "results.json").read_text())

@@ -5,15 +5,15 @@ not respect secure aggregation; tables mark this in their SA column.
 """
 
 from .fldetector import FLDetector, gap_statistic, lbfgs_hvp
-from .flforensics import cluster_hdbscan, cluster_kmeans
+from .flforensics import cluster_kmeans, trace
 from .recorder import BaselineRecorder, BaselineResult
 
 __all__ = [
     "BaselineRecorder",
     "BaselineResult",
     "FLDetector",
-    "cluster_hdbscan",
     "cluster_kmeans",
     "gap_statistic",
     "lbfgs_hvp",
+    "trace",
 ]

@@ -1,25 +1,32 @@
-"""FLForensics-style tracing (after Jia et al. 2024): cluster clients by their influence on
-the detection probes.
+"""FLForensics (Jia et al.; official code ``jyqhahah/FLForensics``), and the FedAttr paper's
+k-means adaptation of it.
 
-A client's influence vector is, per probe, the change its plaintext update makes to the
-probe's detection value, ``v_p(w^{t-1} + Delta_i^t) - v_p(w^{t-1})``, summed over the rounds
-it took part in (probes: the QA probes for FK, held-out clean texts for KGW; see the scorers'
-``probe_values``). FLForensics uses a first-order (gradient inner-product) estimate of this
-change; fedattr measures it exactly, since the model is at hand. The clients are clustered and
-the cluster with the largest mean total influence (sum over probes, i.e. towards the
-watermark) is flagged:
+**As published** (:func:`trace`). Each client gets two influence features, summed over the
+rounds it took part in: its influence on the *target* (the original: the loss on a poisoned
+input; here: the owner's detection statistic) and on a *benign reference* (the original: a
+uniform-noise input with the target label; here: the same statistic under a random key that
+never watermarked anything, or, for Fictitious Knowledge, a decoy value). As in the original,
+each client's update is normalised to unit length first (here: the model is moved along the
+update by the round's median update norm, the same step for every client, and the change of
+the statistic measured exactly, where the original takes the first-order inner product). Each
+feature is divided by its range over the clients (not shifted). HDBSCAN
+(``min_cluster_size`` 7, ``min_samples`` 1, Euclidean) clusters the clients; candidate
+clusters are those (the noise label included) with positive mean target influence and fewer
+than half the clients; with one candidate all its members are named; with several, the
+reference-to-target ratio of their pooled non-noise members sets the bar, and a cluster (or
+noise point with positive target influence) at or below it is named. A client is named only
+when it is named under every one of the 5 references (unanimity).
 
-* ``hdbscan``: the original's density clustering (scikit-learn's HDBSCAN, ``min_cluster_size``
-  2). Noise points belong to no cluster and are never flagged; with fewer than two clusters
-  nobody is flagged, which is how it degenerates at K = 10.
-* ``kmeans``: the FedAttr paper's variant, k-means with k in 2..K-1 chosen by the silhouette.
+**The FedAttr paper's adaptation** (:func:`cluster_kmeans`): k-means (k in 2..K-1 by
+silhouette) on the clients' exact influence vectors on the detection probes, summed over rounds;
+the cluster with the largest mean total influence is named.
 
-Both read every client's plaintext update: they do not respect secure aggregation.
+All of them read every client's plaintext update: they do not respect secure aggregation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -36,17 +43,6 @@ def _most_influential(ids: list[int], x: np.ndarray, labels: np.ndarray) -> list
     totals = x.sum(1)
     best = max(clusters, key=lambda j: totals[labels == j].mean())
     return [c for c, lab in zip(ids, labels, strict=True) if lab == best]
-
-
-def cluster_hdbscan(influence: Mapping[int, np.ndarray], min_cluster_size: int = 2) -> list[int]:
-    """Clients flagged by HDBSCAN clustering of their influence vectors."""
-    from sklearn.cluster import HDBSCAN
-
-    ids, x = _stack(influence)
-    if len(ids) < 2 * min_cluster_size:
-        return []
-    labels = HDBSCAN(min_cluster_size=min_cluster_size, copy=True).fit(x).labels_
-    return _most_influential(ids, x, labels)
 
 
 def cluster_kmeans(influence: Mapping[int, np.ndarray], seed: int = 0) -> tuple[list[int], int]:
@@ -68,3 +64,53 @@ def cluster_kmeans(influence: Mapping[int, np.ndarray], seed: int = 0) -> tuple[
     if best_labels is None:
         return [], 1
     return _most_influential(ids, x, best_labels), best_k
+
+
+def _named(x: np.ndarray, min_cluster_size: int, min_samples: int) -> np.ndarray:
+    """The original's decision on one reference: a boolean per client."""
+    from sklearn.cluster import HDBSCAN
+
+    n = len(x)
+    labels = HDBSCAN(min_cluster_size=min(min_cluster_size, n), min_samples=min_samples,
+                     metric="euclidean", copy=True).fit(x).labels_  # fmt: skip
+    candidates = [lab for lab in sorted(set(labels.tolist()))
+                  if x[labels == lab, 0].mean() > 0 and (labels == lab).sum() < n / 2]  # fmt: skip
+    named = np.zeros(n, dtype=bool)
+    if len(candidates) == 1:
+        named[labels == candidates[0]] = True
+        return named
+    if not candidates:
+        return named
+    pooled = np.isin(labels, [c for c in candidates if c != -1])
+    bar = x[pooled, 1].mean() / x[pooled, 0].mean()
+    for lab in candidates:
+        if lab != -1 and x[labels == lab, 1].mean() / x[labels == lab, 0].mean() <= bar:
+            named[labels == lab] = True
+    noise = (labels == -1) & (x[:, 0] > 0)
+    named[noise] |= x[noise, 1] / x[noise, 0] <= bar
+    return named
+
+
+def trace(
+    target: Mapping[int, float],
+    references: Mapping[int, Sequence[float]],
+    min_cluster_size: int = 7,
+    min_samples: int = 1,
+) -> list[int]:
+    """FLForensics as published: clients named under every reference (see the module doc).
+
+    ``target[c]``: client c's influence on the target; ``references[c][r]``: on reference r.
+    """
+    ids = sorted(target)
+    if len(ids) < 3:
+        return []
+    t = np.array([target[c] for c in ids], dtype=np.float64)
+    refs = np.array([list(references[c]) for c in ids], dtype=np.float64)
+    unanimous = np.ones(len(ids), dtype=bool)
+    for r in range(refs.shape[1]):
+        spans = [np.ptp(t), np.ptp(refs[:, r])]
+        if min(spans) <= 0:
+            return []
+        x = np.stack([t / spans[0], refs[:, r] / spans[1]], axis=1)
+        unanimous &= _named(x, min_cluster_size, min_samples)
+    return [c for c, hit in zip(ids, unanimous, strict=True) if hit]

@@ -8,7 +8,8 @@ reads them, so each such baseline is marked as violating SA in every table.
   never saw any watermarked document): detects presence, names nobody.
 * Direct (oracle): ``Score(w^{t-1} + Delta_i)`` against the same base model, with no reference
   subtraction, Stouffer over rounds, the same gamma as FedAttr.
-* FLDetector and FLForensics (HDBSCAN, k-means): see their modules.
+* FLDetector and FLForensics (as published, and the FedAttr paper's k-means adaptation): see
+  their modules.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import numpy as np
 
 from ..attribution.scoring import as_statistics, is_paired
 from ..attribution.stouffer import build_report, combine_reports, empirical_null, upper_tail
-from ..updates import Update, UpdateLayout
+from ..updates import Update, UpdateLayout, scale_update
+from .config import FLDetectorConfig, FLForensicsConfig
 from .fldetector import FLDetector
-from .flforensics import cluster_hdbscan, cluster_kmeans
+from .flforensics import cluster_kmeans, trace
 
 
 @dataclass
@@ -74,8 +76,9 @@ class BaselineRecorder:
         *,
         gamma: float = 4.0,
         seed: int = 0,
-        window: int = 5,
         null: str = "theoretical",
+        fldetector: FLDetectorConfig | None = None,
+        flforensics: FLForensicsConfig | None = None,
     ) -> None:
         if not callable(getattr(probe, "probe_values", None)):
             raise ValueError("BaselineRecorder: the probe scorer needs probe_values()")
@@ -86,7 +89,11 @@ class BaselineRecorder:
         self._null = scorer.observe(null_params) if self.paired else None
         self.direct: dict[str, dict[int, dict[int, float]]] = {}
         self.influence: dict[int, np.ndarray] = {}
-        self.fldetector = FLDetector(window=window, seed=seed)
+        fd = fldetector or FLDetectorConfig()
+        self.fldetector = FLDetector(fd.window, fd.warmup, fd.k_max, fd.references, seed=seed)
+        self.forensics_config = flforensics or FLForensicsConfig()
+        self.forensics: dict[str, dict[int, np.ndarray]] = {}
+        """Owner -> client -> [target influence, influence on each reference], summed."""
         self.global_z: dict[str, float] = {}
 
     def absolute(self, params: Any) -> tuple[dict[str, float], Any]:
@@ -106,7 +113,9 @@ class BaselineRecorder:
         self, round_id: int, reference: Any, updates: Mapping[int, Update], mean_update: Update
     ) -> None:
         """One round: the plaintext client updates and the aggregate the model moved by."""
-        base = self.probe.probe_values(self.probe.observe(reference))
+        base_obs = self.probe.observe(reference)
+        base = self.probe.probe_values(base_obs)
+        self._forensics_round(reference, base_obs, updates)
         for c in sorted(updates):
             candidate = self.apply(reference, updates[c])
             stats, obs = self.absolute(candidate)
@@ -119,6 +128,29 @@ class BaselineRecorder:
         self.fldetector.observe_round(
             {c: layout.flatten(u) for c, u in updates.items()}, layout.flatten(mean_update)
         )
+
+    def _forensics_round(
+        self, reference: Any, base_obs: Any, updates: Mapping[int, Update]
+    ) -> None:
+        """FLForensics' features for one round: each client's update normalised to one common
+        length (the round's median update norm), the owner's statistic and the references'
+        (random keys, or decoys) moved by it."""
+        if not updates or not callable(getattr(self.probe, "key_statistics", None)):
+            return
+        norms = {
+            c: float(np.linalg.norm(UpdateLayout.of(u).flatten(u))) for c, u in updates.items()
+        }
+        step = float(np.median(list(norms.values())))
+        for c in sorted(updates):
+            if norms[c] <= 0:
+                continue
+            moved = self.apply(reference, scale_update(updates[c], step / norms[c]))
+            refs = self.forensics_config.references
+            stats = self.probe.key_statistics(base_obs, self.probe.observe(moved), refs, self.seed)
+            for owner, (value, refs) in stats.items():
+                row = np.array([value, *np.asarray(refs, dtype=np.float64)])
+                per = self.forensics.setdefault(owner, {})
+                per[c] = per.get(c, 0.0) + row
 
     def global_test(self, final_params: Any) -> dict[str, float]:
         """The detector on the final global model (stored for :meth:`results`); a scorer
@@ -135,6 +167,7 @@ class BaselineRecorder:
         return {
             "direct": self.direct,
             "influence": self.influence,
+            "forensics": self.forensics,
             "fldetector": self.fldetector,
             "global_z": self.global_z,
         }
@@ -143,6 +176,7 @@ class BaselineRecorder:
         """Restore :meth:`state`."""
         self.direct = state["direct"]
         self.influence = state["influence"]
+        self.forensics = state.get("forensics", {})
         self.fldetector = state["fldetector"]
         self.global_z = state["global_z"]
 
@@ -174,16 +208,26 @@ class BaselineRecorder:
                           for n, per in self.direct.items()},
                 },
             ))  # fmt: skip
-        flagged, scores, k = self.fldetector.result()
+        flagged, scores, k, why = self.fldetector.result()
+        tpr, fpr = (None, None) if why else _rates(flagged, truth)
         out.append(BaselineResult(
-            "FLDetector", False, flagged, *_rates(flagged, truth),
-            detail={"suspicious": {str(c): v for c, v in scores.items()}, "gap_k": k},
+            "FLDetector", False, None if why else flagged, tpr, fpr,
+            detail={"suspicious": {str(c): v for c, v in scores.items()}, "gap_k": k,
+                    "no_prediction": why},
         ))  # fmt: skip
+        if self.forensics:
+            cfg, flagged = self.forensics_config, set()
+            for per in self.forensics.values():
+                flagged |= set(trace({c: float(v[0]) for c, v in per.items()},
+                                     {c: v[1:] for c, v in per.items()},
+                                     cfg.min_cluster_size, cfg.min_samples))  # fmt: skip
+            named = sorted(flagged)
+            out.append(BaselineResult(
+                "FLForensics", False, named, *_rates(named, truth),
+                detail={"features": {o: {str(c): v.tolist() for c, v in per.items()}
+                                     for o, per in self.forensics.items()}},
+            ))  # fmt: skip
         if self.influence:
-            flagged = cluster_hdbscan(self.influence)
-            out.append(
-                BaselineResult("FLForensics (HDBSCAN)", False, flagged, *_rates(flagged, truth))
-            )
             flagged, k = cluster_kmeans(self.influence, seed=self.seed)
             totals = {str(c): float(np.sum(v)) for c, v in sorted(self.influence.items())}
             out.append(BaselineResult(

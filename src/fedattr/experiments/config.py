@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..attribution.config import AttributionConfig, harden
+from ..baselines.config import FLDetectorConfig, FLForensicsConfig
 from ..config import ConfigError, check_client_ids, from_dict, to_dict
 from ..data.config import DataConfig
 from ..errors import UserError
@@ -80,6 +81,8 @@ class RunConfig:
     fl: FLConfig = field(default_factory=FLConfig)
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
     attribution: AttributionConfig = field(default_factory=AttributionConfig)
+    fldetector: FLDetectorConfig = field(default_factory=FLDetectorConfig)
+    flforensics: FLForensicsConfig = field(default_factory=FLForensicsConfig)
     baselines: bool = False
     """Also run the baselines (global-model test, Direct, FLDetector, FLForensics) on the same
     training run; they read plaintext updates, which FedAttr never does."""

@@ -236,12 +236,15 @@ def run_experiment(
         attribution = list(observers)
     if cfg.baselines:
         with timing.measure("baselines_s"):
-            probe = scorer if callable(getattr(scorer, "probe_values", None)) else scorer_for(
-                "reading"
-            )
+            # FLForensics reads probes and the statistic under references (random keys,
+            # decoys): the reading detector offers both, a greedy one may not.
+            complete = all(callable(getattr(scorer, m, None))
+                           for m in ("probe_values", "key_statistics"))  # fmt: skip
+            probe = scorer if complete else scorer_for("reading")
             recorder = BaselineRecorder(
                 scorer, probe, server.apply_estimate, server.scoring_params(state),
                 gamma=cfg.attribution.gamma, seed=cfg.fl.seed, null=attribution[0].fedattr.null,
+                fldetector=cfg.fldetector, flforensics=cfg.flforensics,
             )  # fmt: skip
         baseline_observer = BaselineObserver(recorder, pool.open_tap())
         observers.append(baseline_observer)
