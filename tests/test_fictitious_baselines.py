@@ -282,11 +282,11 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     assert d["null"] == ("key-randomised" if detector == "reading" else "theoretical")
     assert d["statistic"] == ("calibrated" if detector == "reading" else "paper")
     names = [b["name"] for b in d["baselines"]]
-    assert names == ["Global model", "Direct (oracle)", "FLDetector",
+    assert names == ["Global model", "Direct (oracle)", "FLDetector", "FLDetector (adapted)",
                      "FLForensics", "FLForensics (k-means)"]  # fmt: skip
-    forensics = d["baselines"][3]["features"]["fk:owner0"]
+    forensics = d["baselines"][4]["features"]["fk:owner0"]
     assert len(forensics) == 4 and all(len(v) == 1 + 5 for v in forensics.values())
-    assert [b["respects_sa"] for b in d["baselines"]] == [True, False, False, False, False]
+    assert [b["respects_sa"] for b in d["baselines"]] == [True] + [False] * 5
     direct = d["baselines"][1]
     assert set(direct["z"]["fk:owner0"]) == {"0", "1", "2", "3"}
     assert len(d["baselines"][2]["suspicious"]) == 4  # FLDetector predicted round 3
@@ -305,7 +305,7 @@ def test_experiment_main_and_mechanism_commands(tiny_cache, tmp_path, capsys):
     assert "FedIT · KGW TPR" in table and "FLoRA · FK TPR" in table
     summary = json.loads((out / "results.json").read_text())
     assert set(summary["settings"]) == {"fedit/kgw", "fedit/fk", "flora/kgw", "flora/fk"}
-    assert (out / "table.csv").read_text().count("\n") == 1 + 4 * 6
+    assert (out / "table.csv").read_text().count("\n") == 1 + 4 * 7
     # Re-running keeps the finished runs.
     capsys.readouterr()
     assert main(["experiment", "main", "--seeds", "1", "--out", str(out), *args]) == 0

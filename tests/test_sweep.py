@@ -119,3 +119,38 @@ def test_overhead_layout_reports_work_per_stage(tiny_cache, tmp_path):
     assert point["models_scored"] == 6 and point["train_s"] > 0
     text = (tmp_path / "ovh" / "table.md").read_text()
     assert "| per query ms |" in text and "% of training" in text and "| 17 |" in text
+
+
+def test_a_sweep_killed_mid_run_resumes_to_the_same_table(tiny_cache, tmp_path, monkeypatch):
+    from fedattr.experiments import main as main_module
+
+    args = ["experiment", "sweep", "--grid", "watermark.r=0,1"]
+    for s in _small(tiny_cache):
+        args += ["--set", s]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    real, calls = main_module.run_experiment, []
+
+    def killed_in_round_two_of_the_second_run(cfg, progress=None, folder=None):
+        calls.append(1)
+
+        def say(message):
+            if len(calls) == 2 and "round 2" in message:
+                raise KeyboardInterrupt  # after round 1's checkpoint
+        return real(cfg, progress=say, folder=folder)
+
+    monkeypatch.setattr(main_module, "run_experiment", killed_in_round_two_of_the_second_run)
+    out = tmp_path / "cut"
+    assert main([*args, "--out", str(out)]) == 130
+    from fedattr.reporting.run_folder import RunFolder
+
+    assert RunFolder(out / "watermark.r=0_seed0").status == "finished"
+    assert RunFolder(out / "watermark.r=1_seed0").status == "interrupted"
+    monkeypatch.setattr(main_module, "run_experiment", real)
+    assert main([*args, "--out", str(out)]) == 0
+    timing = ("run_s", "train_s", "attribution_s")
+
+    def points(folder):
+        summary = json.loads((folder / "results.json").read_text())
+        return [{k: v for k, v in p.items() if k not in timing} for p in summary["points"]]
+
+    assert points(out) == points(tmp_path / "whole")

@@ -21,8 +21,13 @@ class FLDetectorConfig:
     """The gap statistic's largest k (the original: 1..7)."""
     references: int = 10
     """Uniform reference sets of the gap statistic (the original: 10)."""
+    adapted_window: int = 3
+    """The adaptation reported beside it (``FLDetector (adapted)``): no warm-up and this
+    window (3 = T - 2, every prediction a five-round run allows)."""
 
     def __post_init__(self) -> None:
+        if self.adapted_window < 1:
+            raise ValueError(f"fldetector.adapted_window: must be >= 1, got {self.adapted_window}")
         if self.window < 1 or self.warmup < 0 or self.k_max < 2 or self.references < 2:
             raise ValueError(
                 "fldetector: window >= 1, warmup >= 0, k_max >= 2 and references >= 2 "

@@ -91,6 +91,8 @@ class BaselineRecorder:
         self.influence: dict[int, np.ndarray] = {}
         fd = fldetector or FLDetectorConfig()
         self.fldetector = FLDetector(fd.window, fd.warmup, fd.k_max, fd.references, seed=seed)
+        self.fldetector_adapted = FLDetector(fd.adapted_window, 0, fd.k_max, fd.references,
+                                             seed=seed)  # fmt: skip
         self.forensics_config = flforensics or FLForensicsConfig()
         self.forensics: dict[str, dict[int, np.ndarray]] = {}
         """Owner -> client -> [target influence, influence on each reference], summed."""
@@ -125,9 +127,9 @@ class BaselineRecorder:
             self.influence[c] = self.influence.get(c, 0.0) + change
         # The SA layout's flattening: one float64 vector per update, each checked against it.
         layout = UpdateLayout.of(mean_update)
-        self.fldetector.observe_round(
-            {c: layout.flatten(u) for c, u in updates.items()}, layout.flatten(mean_update)
-        )
+        flat = {c: layout.flatten(u) for c, u in updates.items()}
+        for detector in (self.fldetector, self.fldetector_adapted):
+            detector.observe_round(flat, layout.flatten(mean_update))
 
     def _forensics_round(
         self, reference: Any, base_obs: Any, updates: Mapping[int, Update]
@@ -169,6 +171,7 @@ class BaselineRecorder:
             "influence": self.influence,
             "forensics": self.forensics,
             "fldetector": self.fldetector,
+            "fldetector_adapted": self.fldetector_adapted,
             "global_z": self.global_z,
         }
 
@@ -178,6 +181,7 @@ class BaselineRecorder:
         self.influence = state["influence"]
         self.forensics = state.get("forensics", {})
         self.fldetector = state["fldetector"]
+        self.fldetector_adapted = state.get("fldetector_adapted", self.fldetector_adapted)
         self.global_z = state["global_z"]
 
     def results(self, truth: Mapping[int, bool]) -> list[BaselineResult]:
@@ -208,13 +212,16 @@ class BaselineRecorder:
                           for n, per in self.direct.items()},
                 },
             ))  # fmt: skip
-        flagged, scores, k, why = self.fldetector.result()
-        tpr, fpr = (None, None) if why else _rates(flagged, truth)
-        out.append(BaselineResult(
-            "FLDetector", False, None if why else flagged, tpr, fpr,
-            detail={"suspicious": {str(c): v for c, v in scores.items()}, "gap_k": k,
-                    "no_prediction": why},
-        ))  # fmt: skip
+        for name, detector in (("FLDetector", self.fldetector),
+                               ("FLDetector (adapted)", self.fldetector_adapted)):  # fmt: skip
+            flagged, scores, k, why = detector.result()
+            tpr, fpr = (None, None) if why else _rates(flagged, truth)
+            out.append(BaselineResult(
+                name, False, None if why else flagged, tpr, fpr,
+                detail={"suspicious": {str(c): v for c, v in scores.items()}, "gap_k": k,
+                        "no_prediction": why, "warmup": detector.warmup,
+                        "window": detector.window},
+            ))  # fmt: skip
         if self.forensics:
             cfg, flagged = self.forensics_config, set()
             for per in self.forensics.values():

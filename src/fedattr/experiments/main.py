@@ -41,6 +41,7 @@ model needs the extra steps to pick the values up at all (measured: README)."""
 METHODS: tuple[tuple[str, str, bool], ...] = (
     ("Direct (oracle)", "Direct", False),
     ("FLDetector", "FLDetector", False),
+    ("FLDetector (adapted)", "FLDetector‡ (warm-up 0, window 3)", False),
     ("FLForensics", "FLForensics", False),
     ("FLForensics (k-means)", "FLForensics‡ (k-means)", False),
     ("FedAttr", "**FedAttr**", True),

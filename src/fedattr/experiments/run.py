@@ -19,7 +19,7 @@ import torch
 from ..attribution.config import AttributionConfig
 from ..attribution.export import ExportObserver
 from ..attribution.observer import AttributionObserver
-from ..attribution.protocol import FedAttr
+from ..attribution.protocol import FedAttr, resolve_scorer_null
 from ..attribution.scoring import LinearScorer
 from ..attribution.stouffer import AttributionReport
 from ..baselines import BaselineRecorder, BaselineResult
@@ -241,9 +241,14 @@ def run_experiment(
             complete = all(callable(getattr(scorer, m, None))
                            for m in ("probe_values", "key_statistics"))  # fmt: skip
             probe = scorer if complete else scorer_for("reading")
+            # Direct reads its per-round z as the paper's statistic does: FedAttr's null when
+            # that is one, else (calibrated FedAttr) the scorer's own (empirical for FK).
+            fedattr_null = attribution[0].fedattr.null
+            direct_null = (fedattr_null if fedattr_null in ("empirical", "theoretical")
+                           else resolve_scorer_null(scorer))  # fmt: skip
             recorder = BaselineRecorder(
                 scorer, probe, server.apply_estimate, server.scoring_params(state),
-                gamma=cfg.attribution.gamma, seed=cfg.fl.seed, null=attribution[0].fedattr.null,
+                gamma=cfg.attribution.gamma, seed=cfg.fl.seed, null=direct_null,
                 fldetector=cfg.fldetector, flforensics=cfg.flforensics,
             )  # fmt: skip
         baseline_observer = BaselineObserver(recorder, pool.open_tap())

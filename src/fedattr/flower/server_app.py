@@ -48,8 +48,12 @@ def _config(run_config: Mapping[str, Any], folder: RunFolder, command: str) -> A
     path = run_config.get("config")
     if path:
         cfg = load(RunConfig if command == "run" else DemoConfig, str(path))
-        folder.claim(to_dict(cfg), reuse=True)
+        if folder.claim(to_dict(cfg), reuse=True) == "finished":
+            raise UserError(f"run-folder: {str(folder.path)!r} holds a finished run of this "
+                            "configuration; choose another run-folder")  # fmt: skip
         return cfg
+    if folder.status == "finished":
+        raise UserError(f"run-folder: {str(folder.path)!r} holds a finished run; choose another")
     if folder.status == "new":
         raise UserError("config: the run folder holds no configuration; pass "
                         "--run-config \"config='run.toml' run-folder='...'\"")  # fmt: skip
