@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -124,13 +125,12 @@ class ExportObserver(Observer):
         (rounds / "run.json").write_text(json.dumps(dict(run_config), indent=2))
 
     def round_opened(self, ctx: RoundContext) -> None:
-        import time
-
         t0 = time.perf_counter()
         with ctx.sa.session(self.name):
             estimates = self.fedattr.query_round(ctx.round, ctx.sa)
-        ctx.timing.add("sa_s", time.perf_counter() - t0)
-        self.timing["sa_s"] += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        ctx.timing.add("sa_s", seconds)
+        self.timing["sa_s"] += seconds
         folder = write_round(round_dir(self.run_dir, ctx.round), estimates, ctx.reference,
                              ctx.mean_update, self.fedattr)  # fmt: skip
         self.records.append({"round": ctx.round, "participants": list(estimates.participants),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,7 +54,7 @@ class FlowerPool(ClientPool):
                 progress(f"round {round_id}: client {c} did not answer; offline for the round")
                 sa.drop(c)
                 continue
-            sa.register(c, bytes(reply["public_key"]), _json(reply["layout"]))
+            sa.register(c, bytes(reply["public_key"]), json.loads(str(reply["layout"])))
             if "loss" in reply:
                 losses[c] = float(reply["loss"])
             if timing is not None:
@@ -62,8 +63,3 @@ class FlowerPool(ClientPool):
                         timing.count(key, int(reply[key]))
         return losses
 
-
-def _json(text: Any) -> dict:
-    import json
-
-    return json.loads(str(text))

@@ -94,15 +94,16 @@ class OwnerScorer:
         self.scorer = KGWReadingScorer(model, examples, {self.name: key.kgw_scheme(len(tokenizer))},
                                        load_state, pad_id=tokenizer.pad_token_id)  # fmt: skip
 
-    def score(self, folder: str | Path) -> Path:
-        """Score one round folder; returns the scores file written there."""
+    def score(self, folder: str | Path, manifest: dict | None = None) -> Path:
+        """Score one round folder (``manifest``: its :func:`read_manifest`, when the caller
+        has already checked it); returns the scores file written there."""
         from safetensors.torch import load_file
 
         from ..attribution.calibrated import all_key_statistics
         from ..attribution.scoring import observe_all
 
         folder = Path(folder)
-        manifest = read_manifest(folder)
+        manifest = manifest if manifest is not None else read_manifest(folder)
         reference = load_file(str(folder / "reference.safetensors"))
         center = load_file(str(folder / "center.safetensors"))
         flat = load_file(str(folder / "estimates.safetensors"))
@@ -143,14 +144,13 @@ def score_rounds(key: OwnerKey, folders: Sequence[str | Path], texts: Sequence |
     paths = [Path(f) for f in folders]
     if not paths:
         raise UserError("ROUND_DIR: give at least one round folder")
-    for p in paths:
-        read_manifest(p)  # every folder checked before any work
+    manifests = [read_manifest(p) for p in paths]  # every folder checked before any work
     configs = {str(p.parent.resolve()) for p in paths}
     if len(configs) != 1:
         raise UserError("ROUND_DIR: round folders of one run at a time (one rounds/ folder)")
     scorer = OwnerScorer(key, run_config_of(paths[0]), texts, say)
     written = []
-    for p in paths:
-        written.append(scorer.score(p))
+    for p, manifest in zip(paths, manifests, strict=True):
+        written.append(scorer.score(p, manifest))
         say(f"scored {p} -> {written[-1].name}")
     return written
