@@ -68,3 +68,51 @@ def test_device_setting_errors_name_the_allowed_values():
     else:
         with pytest.raises(SecAggError, match="allowed: chacha20"):
             SecAggConfig(device="cuda", prg="aes-ctr")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("openssl", [True, False])
+def test_masked_upload_is_scaled_update_plus_signed_masks(monkeypatch, dtype, openssl):
+    monkeypatch.setattr(prg_module, "_OPENSSL_ON_CPU", openssl)
+    monkeypatch.setattr(prg_module, "_APPLY_CHUNK", 256)  # many slices, a ragged last one
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randint(-(2**30), 2**30, (1001,), generator=gen, dtype=torch.int64).to(dtype)
+    seeds = [bytes([i + 1]) * 32 for i in range(3)]
+    signs = [1, -1, 1]
+    for prg in ("chacha20", "aes-ctr") if openssl else ("chacha20",):
+        whole = list(masks(seeds, base.numel(), dtype, prg, torch.device("cpu")))
+        for coefficient in (1, -3):
+            want = base * coefficient
+            for sign, mask in zip(signs, whole, strict=True):
+                want = want + sign * mask  # wrapping ring arithmetic
+            assert torch.equal(prg_module.masked(base, coefficient, seeds, signs, prg), want)
+            spare = torch.full_like(base, 7)  # stale contents must be overwritten
+            got = prg_module.masked(base, coefficient, seeds, signs, prg, out=spare)
+            assert got is spare and torch.equal(got, want)
+    with pytest.raises(SecAggError, match="one sign in"):
+        prg_module.masked(base, 1, seeds, [1, 0, 1], "chacha20")
+    with pytest.raises(SecAggError, match="out must be"):
+        prg_module.masked(base, 1, seeds, signs, "chacha20", out=base[:10].clone())
+
+
+def test_concurrent_members_give_the_same_sum_and_reuse_buffers():
+    gen = torch.Generator().manual_seed(4)
+    ups = [torch.randn(5000, generator=gen, dtype=torch.float64) for _ in range(6)]
+    answers = []
+    for threads in (1, 3):
+        torch_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            sa = make_aggregator(SecAggConfig("pairwise-mask", min_members=2))
+            sa.open_round(0, range(6))
+            for j, u in enumerate(ups):
+                sa.submit(j, u)
+            answers.append([sa.subset_sum_flat(w) for w in ([0, 1, 2, 3, 4, 5], [1, 2, 5])])
+            # Buffers come back after each query: the uploads in flight, the one being added
+            # and the sum at most.
+            assert 1 <= len(sa._spare) <= threads + 2
+        finally:
+            torch.set_num_threads(torch_threads)
+    for a, b in zip(*answers, strict=True):
+        assert np.array_equal(a, b)
+    assert np.allclose(answers[0][1], (ups[1] + ups[2] + ups[5]).numpy(), atol=1e-8, rtol=0)

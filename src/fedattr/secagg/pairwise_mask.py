@@ -22,7 +22,9 @@ are the clients' machines, which alone hold their updates and private keys.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,10 +36,9 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from .base import SecureAggregator
 from .errors import QueryFailed, SecAggError
 from .fixedpoint import FixedPointCodec
-from .prg import PRG_NAMES, masks
+from .prg import PRG_NAMES, masked
 
 if TYPE_CHECKING:
-
     from .config import SecAggConfig
 
 _HKDF_SALT = b"fedattr/secagg/pairwise-mask/v1"
@@ -97,19 +98,17 @@ class MaskingClient:
         members: Sequence[int],
         public_keys: dict[int, bytes],
         coefficient: int = 1,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The client's upload for one query over ``members`` (which must include it).
 
         ``coefficient`` scales the encoded update in the ring (exact for integers, negative
-        ones included), for fused queries.
+        ones included), for fused queries. ``out``: a spare buffer to write the upload into.
         """
         if self._encoded is None:
             raise SecAggError(f"client {self.client_id} holds no update this round")
         if self.client_id not in members:
             raise SecAggError(f"client {self.client_id} was asked to join a query it is not in")
-        # Integer scaling in the ring: wrapping multiplication by a signed coefficient is
-        # multiplication by its residue modulo 2^b.
-        y = self._encoded * coefficient
         others = [k for k in members if k != self.client_id]
         seeds = []
         for other in others:
@@ -118,15 +117,10 @@ class MaskingClient:
                 peer = X25519PublicKey.from_public_bytes(public_keys[other])
                 secret = self._secrets[other] = self._private.exchange(peer)
             seeds.append(pair_seed(secret, round_id, query_id, self.client_id, other))
-        for other, mask in zip(
-            others, masks(seeds, y.numel(), self._codec.dtype, self._prg, self._device),
-            strict=True,
-        ):
-            if self.client_id < other:
-                y += mask
-            else:
-                y -= mask
-        return y
+        signs = [1 if self.client_id < other else -1 for other in others]
+        # Integer scaling in the ring: wrapping multiplication by a signed coefficient is
+        # multiplication by its residue modulo 2^b.
+        return masked(self._encoded, coefficient, seeds, signs, self._prg, out=out)
 
 
 class PairwiseMaskServer:
@@ -141,19 +135,39 @@ class PairwiseMaskServer:
         query_id: int,
         members: tuple[int, ...],
         collect: Callable[..., torch.Tensor],
+        workers: int = 1,
+        recycle: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Announce the query, collect every member's masked upload, return their ring sum.
 
-        The server never sees coefficients applied: each member scales its own input."""
+        Members are separate machines that mask at the same time: ``workers`` of them compute
+        their uploads concurrently (besides the sum, at most that many uploads plus the one
+        being added are held; the ring sum is exact, so the order does not matter);
+        ``recycle`` gets each upload back once it is in the sum. The server never sees
+        coefficients applied: each member scales its own input."""
         total: torch.Tensor | None = None
         moved = 0
-        for j in members:
-            y = collect(j, round_id, query_id, members, self.public_keys)
-            moved += y.numel() * y.element_size()
-            if total is None:
-                total = y
-            else:
-                total += y
+
+        def fetch(j: int) -> torch.Tensor:
+            return collect(j, round_id, query_id, members, self.public_keys)
+
+        workers = max(1, min(workers, len(members)))
+        with ThreadPoolExecutor(workers) as pool:
+            pending = deque(pool.submit(fetch, j) for j in members[:workers])
+            waiting = iter(members[workers:])
+            while pending:
+                y = pending.popleft().result()
+                for j in waiting:  # keep every worker busy while the sum grows
+                    pending.append(pool.submit(fetch, j))
+                    break
+                moved += y.numel() * y.element_size()
+                if total is None:
+                    total = y
+                else:
+                    total += y
+                    if recycle is not None:
+                        recycle(y)
+                del y
         assert total is not None
         return total, moved
 
@@ -186,6 +200,9 @@ class PairwiseMaskAggregator(SecureAggregator):
         self._parties: dict[int, MaskingClient] = {}
         self._client_seconds: list[float] = []
         self._coefs: dict[int, int] = {}
+        # Upload buffers handed back after the server summed them: the simulation's transport
+        # reuses their memory instead of faulting in fresh pages for every upload.
+        self._spare: list[torch.Tensor] = []
         # The release policy lives with the clients: each member consults the same record of
         # what this round has released (a client-side ledger), not the server.
         self._client_policy = None
@@ -199,9 +216,8 @@ class PairwiseMaskAggregator(SecureAggregator):
 
     def _start_round(self, round_id, client_ids) -> None:
         # Fresh key pairs every round (forward secrecy between rounds, as in Bonawitz et al.).
-        self._parties = {
-            c: MaskingClient(c, self.codec, self.prg, self.device) for c in client_ids
-        }
+        self._spare = []
+        self._parties = {c: MaskingClient(c, self.codec, self.prg, self.device) for c in client_ids}
         self.server.public_keys = {c: p.public_key for c, p in self._parties.items()}
         self._client_policy = self._policy
         self._policy = None  # the server-side object enforces nothing
@@ -224,8 +240,12 @@ class PairwiseMaskAggregator(SecureAggregator):
 
     def _collect(self, client_id, round_id, query_id, members, public_keys) -> torch.Tensor:
         start = time.perf_counter()
+        try:
+            out = self._spare.pop()  # list.pop is atomic: safe from the server's threads
+        except IndexError:
+            out = None
         y = self._parties[client_id].masked_input(
-            round_id, query_id, members, public_keys, self._coefs.get(client_id, 1)
+            round_id, query_id, members, public_keys, self._coefs.get(client_id, 1), out=out
         )
         if y.device.type == "cuda":
             torch.cuda.synchronize(y.device)  # the client's time includes its kernels
@@ -247,10 +267,21 @@ class PairwiseMaskAggregator(SecureAggregator):
             )
         self._client_seconds = []
         self._coefs = dict(zip(members, coefs, strict=True))
-        ring_sum, moved = self.server.run_query(self.round, query_id, members, self._collect)
+        # The cipher releases the GIL, so the members' masking runs on every core torch may use.
+        ring_sum, moved = self.server.run_query(
+            self.round,
+            query_id,
+            members,
+            self._collect,
+            workers=torch.get_num_threads(),
+            recycle=self._spare.append,
+        )
         moved += 32 * len(members) * (len(members) - 1)  # public keys relayed to members
-        return self.codec.decode(ring_sum), moved, max(self._client_seconds)
+        decoded = self.codec.decode(ring_sum)
+        self._spare.append(ring_sum)
+        return decoded, moved, max(self._client_seconds)
 
     def _drop_round(self) -> None:
         self._parties = {}
+        self._spare = []
         self.server.public_keys = {}

@@ -25,6 +25,9 @@ from .errors import SecAggError
 PRG_NAMES = ("aes-ctr", "chacha20")
 _ZERO_NONCE = bytes(16)
 _CHUNK = 1 << 24  # bytes encrypted per call: bounds the zero buffer's memory
+# Bytes of keystream applied per step by :func:`apply_masks` on the CPU: small enough that the
+# keystream and the slice of the upload it is added to stay in the core's cache.
+_APPLY_CHUNK = 1 << 18
 
 
 def _cipher(name: str, seed: bytes) -> Cipher:
@@ -52,6 +55,85 @@ def expand(seed: bytes, count: int, dtype: type[np.integer], prg: str = "chacha2
 
 
 _NUMPY_RING = {torch.int32: np.int32, torch.int64: np.int64}
+
+
+def masked(
+    base: torch.Tensor,
+    coefficient: int,
+    seeds: Sequence[bytes],
+    signs: Sequence[int],
+    prg: str,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ring vector ``coefficient * base + sum(sign * mask)``, with the masks of
+    :func:`masks` (sign +1 adds a seed's mask, -1 subtracts it; wrapping ring arithmetic),
+    written into ``out`` when given (a spare buffer of ``base``'s shape: a fresh one costs
+    page faults comparable to the cipher itself) or a new tensor.
+
+    On the CPU the scaling and the keystreams are applied a cache-sized slice at a time, so no
+    mask is ever held whole and each slice of the result is written once (the cost is the
+    cipher alone, not memory traffic); elsewhere one batched keystream.
+    """
+    if len(seeds) != len(signs) or any(s not in (1, -1) for s in signs):
+        raise SecAggError(f"masked: one sign in (1, -1) per seed, got {list(signs)}")
+    if out is not None and (
+        out.shape != base.shape
+        or out.dtype != base.dtype
+        or out.device != base.device
+        or not out.is_contiguous()
+    ):
+        raise SecAggError("masked: out must be a contiguous tensor like base")
+    if base.device.type != "cpu" or not _OPENSSL_ON_CPU:
+        y = torch.mul(base, coefficient, out=out) if out is not None else base * coefficient
+        for sign, mask in zip(signs, masks(seeds, y.numel(), y.dtype, prg, y.device), strict=True):
+            y.add_(mask, alpha=sign)
+        return y
+    np_dtype = _NUMPY_RING[base.dtype]
+    source = base.contiguous().numpy()
+    y = torch.empty_like(base, memory_format=torch.contiguous_format) if out is None else out
+    ring = y.numpy()  # a view: numpy's integer arithmetic wraps modulo 2^b like the ring
+    scale = np.array(coefficient).astype(np_dtype)  # the coefficient's residue in the ring
+    step = _APPLY_CHUNK // ring.itemsize
+    zeros = np.zeros(step * ring.itemsize, dtype=np.uint8)
+    buffer = np.empty(step * ring.itemsize + 15, dtype=np.uint8)
+    mask = buffer[: step * ring.itemsize].view(np_dtype)
+    encryptors = []
+    for seed in seeds:
+        if len(seed) != 32:
+            raise SecAggError(f"prg seed must be 32 bytes, got {len(seed)}")
+        encryptors.append(_cipher(prg, seed).encryptor())
+    for start in range(0, ring.size, step):
+        part = ring[start : start + step]
+        np.multiply(source[start : start + step], scale, out=part)
+        nbytes = part.size * ring.itemsize
+        for sign, enc in zip(signs, encryptors, strict=True):
+            # One encryptor per seed continues its keystream across slices: the bytes are
+            # those :func:`expand` would give for the whole vector.
+            enc.update_into(zeros[:nbytes], buffer[: nbytes + 15])
+            (np.add if sign > 0 else np.subtract)(part, mask[: part.size], out=part)
+    return y
+    np_dtype = _NUMPY_RING[y.dtype]
+    ring = y.numpy()  # a view: numpy's integer arithmetic wraps modulo 2^b like the ring
+    step = _APPLY_CHUNK // ring.itemsize
+    zeros = np.zeros(step * ring.itemsize, dtype=np.uint8)
+    buffer = np.empty(step * ring.itemsize + 15, dtype=np.uint8)
+    mask = buffer[: step * ring.itemsize].view(np_dtype)
+    encryptors = []
+    for seed in seeds:
+        if len(seed) != 32:
+            raise SecAggError(f"prg seed must be 32 bytes, got {len(seed)}")
+        encryptors.append(_cipher(prg, seed).encryptor())
+    for start in range(0, ring.size, step):
+        part = ring[start : start + step]
+        nbytes = part.size * ring.itemsize
+        for sign, enc in zip(signs, encryptors, strict=True):
+            # One encryptor per seed continues its keystream across slices: the bytes are
+            # those :func:`expand` would give for the whole vector.
+            enc.update_into(zeros[:nbytes], buffer[: nbytes + 15])
+            (np.add if sign > 0 else np.subtract)(part, mask[: part.size], out=part)
+    return y
+
+
 _OPENSSL_ON_CPU = True  # tests switch it off to run the device code path on the CPU
 
 
