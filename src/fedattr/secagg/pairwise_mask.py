@@ -123,6 +123,16 @@ class MaskingClient:
         return masked(self._encoded, coefficient, seeds, signs, self._prg, out=out)
 
 
+def _ring_add(total: torch.Tensor, y: torch.Tensor) -> None:
+    """``total += y`` in the ring. On the CPU through NumPy (wrapping, single-threaded): a torch
+    op here would wake torch's intra-op threads, whose spin-waiting takes the cores the
+    members' ciphers run on."""
+    if total.device.type == "cpu" and total.is_contiguous() and y.is_contiguous():
+        np.add(total.numpy(), y.numpy(), out=total.numpy())
+    else:
+        total += y
+
+
 class PairwiseMaskServer:
     """The server's side: public keys and the masked uploads of one query, nothing more."""
 
@@ -164,7 +174,7 @@ class PairwiseMaskServer:
                 if total is None:
                     total = y
                 else:
-                    total += y
+                    _ring_add(total, y)
                     if recycle is not None:
                         recycle(y)
                 del y
