@@ -164,3 +164,63 @@ def test_null_keys_batched_cached_and_streamed_agree(reading_setup):
     assert torch.all((share - 0.25).abs() < 0.05)
     with pytest.raises(ValueError, match="changes"):
         redrawn.sums(changes[:, :-1])
+
+
+@pytest.mark.parametrize("space", ["fedit", "flora"])
+def test_stacked_candidates_read_as_loading_each_one(tiny_cache, space):
+    """observe_many through stacked candidates (several per forward pass) gives what observe
+    gives after loading each candidate, for candidates in LoRA-factor space (FedIT) and in
+    merged base-weight space (FLoRA), and leaves the model as it was."""
+    from fedattr.models.config import LoRAConfig
+    from fedattr.models.lora import (
+        adapter_state,
+        attach_lora,
+        base_state,
+        can_stack,
+        candidate_stacker,
+        load_state,
+        lora_layers,
+        stacked_candidates,
+    )
+
+    model, tok = load_model(
+        ModelConfig(cache_dir=str(tiny_cache), tiny=TinyModelConfig(**MICRO_TINY)), lambda m: None
+    )
+    model = attach_lora(model, LoRAConfig(r=4, alpha=8), seed=1)
+    assert can_stack(model)
+    assert candidate_stacker(model) is None  # on the CPU candidates are read one at a time
+    gen = torch.Generator().manual_seed(7)
+    if space == "fedit":
+        state = adapter_state(model)
+        state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+    else:
+        zero_b = {f"{n}.lora_B": torch.zeros_like(m.lora_B["default"].weight)
+                  for n, m in lora_layers(model).items()}  # fmt: skip
+        state = {**base_state(model), **zero_b}
+    candidates = [state] + [
+        {k: v + 0.02 * torch.randn(v.shape, generator=gen) if "lora_B" not in k or space == "fedit"
+         else v for k, v in state.items()}
+        for _ in range(4)
+    ]  # fmt: skip
+    texts = encode_examples(tok, generate_corpus(20, seed=3), 64)
+    schemes = {"kgw:a": KGWScheme(5, len(tok))}
+    one = KGWReadingScorer(model, texts, schemes, load_state, pad_id=tok.pad_token_id,
+                           batch_size=6)  # fmt: skip
+    want = [one.observe(c) for c in candidates]
+    before = {**adapter_state(model), **base_state(model)}
+    # A small pass budget splits the five candidates over several stacked passes.
+    for budget in (1 << 30, 3 * 6 * 64 * len(tok) * 4):
+        many = KGWReadingScorer(model, texts, schemes, load_state, pad_id=tok.pad_token_id,
+                                batch_size=6, stack=stacked_candidates,
+                                pass_bytes=budget)  # fmt: skip
+        got = many.observe_many(candidates)
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    after = {**adapter_state(model), **base_state(model)}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # Differences between candidates survive (the stacked pass did not read one candidate).
+    assert not torch.allclose(got[1], got[2])
+    bad = stacked_candidates(model, [{"nowhere.lora_A": torch.zeros(1)}])
+    with pytest.raises(KeyError, match="no adapted module"), bad:
+        pass

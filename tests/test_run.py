@@ -115,3 +115,21 @@ def test_bench_pipeline_reports_every_stage_from_the_run(tiny_cache, tmp_path, c
     assert main(args) == 0 and json.loads(capsys.readouterr().out) == fig
     assert main(["bench", "pipeline", "--rounds", "0"]) == 2
     assert "--rounds: must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_scoring_compares_stacked_and_one_at_a_time_reads(tiny_cache, tmp_path, capsys):
+    out = tmp_path / "scoring"
+    args = ["bench", "scoring", "--candidates", "3", "--repeats", "1", "--out", str(out), "--json"]
+    for s in _small(tiny_cache):
+        args += ["--set", s]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["space"] for r in rows] == ["FedIT (LoRA factors)", "FLoRA (merged weights)"]
+    for r in rows:
+        assert r["candidates"] == 3 and r["probes"] > 0 and r["device"] == "cpu"
+        assert r["one_at_a_time_s"] > 0 and r["stacked_s"] > 0
+        assert r["max_abs_difference"] < 1e-3  # the same reads up to float rounding
+    assert json.loads((out / "scoring.json").read_text()) == rows
+    assert "speedup" in (out / "scoring.md").read_text()
+    assert main(["bench", "scoring", "--candidates", "1"]) == 2
+    assert "--candidates: must be >= 2" in capsys.readouterr().err

@@ -273,6 +273,25 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_scoring(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .config import load
+    from .experiments.bench import bench_scoring, format_scoring
+    from .experiments.config import RunConfig, preset_overrides
+
+    cfg = load(RunConfig, args.config, preset_overrides(args.preset) + args.set)
+    say = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    rows = bench_scoring(cfg, args.candidates, args.repeats, say)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "scoring.json").write_text(json.dumps(rows, indent=2))
+        (out / "scoring.md").write_text(format_scoring(rows) + "\n")
+    print(json.dumps(rows, indent=2) if args.json else format_scoring(rows))
+    return 0
+
+
 def _cmd_flower_local(args: argparse.Namespace) -> int:
     import importlib.util
     import time
@@ -648,6 +667,21 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--out", help="run folder (default runs/bench-pipeline-<preset>)")
     bp.add_argument("--json", action="store_true")
     bp.set_defaults(func=_cmd_bench_pipeline)
+    bsc = bench_sub.add_parser(
+        "scoring",
+        help="the reading detector over one round's candidates: one at a time vs stacked in one "
+        "forward pass, FedIT and FLoRA candidates",
+    )
+    bsc.add_argument("--preset", default="tiny", help="tiny (default) or smollm2")
+    bsc.add_argument("--candidates", type=int, default=12,
+                     help="models read per round (default 12: reference, K=10 estimates, SA mean)")
+    bsc.add_argument("--repeats", type=int, default=2)
+    bsc.add_argument("--config", help="a .json or .toml run configuration")
+    bsc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a setting (repeatable)")
+    bsc.add_argument("--out", help="folder for scoring.md and scoring.json")
+    bsc.add_argument("--json", action="store_true")
+    bsc.set_defaults(func=_cmd_bench_scoring)
     flower = sub.add_parser("flower", help="run fedattr on Flower (SuperLink, SuperNodes)")
     flower_sub = flower.add_subparsers(dest="flower", required=True)
     fl = flower_sub.add_parser(

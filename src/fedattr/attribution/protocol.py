@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -326,13 +327,15 @@ class FedAttr:
                 "keys; use watermark.detector=reading, or attribution.statistic=paper"
             )
         t0 = time.perf_counter()
-        ref_obs = scorer.observe(reference)
-        observed = list(observe_all(scorer, (apply(reference, u) for u in updates)))
+        # The reference, every candidate and the SA mean: one batched read when the scorer
+        # offers it (else lazily, one candidate's parameters at a time).
+        extra = [] if center is None else [center]
+        ref_obs, *observed = observe_all(
+            scorer, chain([reference], (apply(reference, u) for u in [*updates, *extra]))
+        )
         spread = []
         if callable(getattr(scorer, "effective_contexts", None)):
-            spread = [scorer.effective_contexts(ref_obs, obs) for obs in observed]
-        if center is not None:
-            observed.append(scorer.observe(apply(reference, center)))
+            spread = [scorer.effective_contexts(ref_obs, obs) for obs in observed[: len(updates)]]
         # One pass over the null keys for the whole round (the center's statistics last).
         stats = all_key_statistics(scorer, ref_obs, observed, cfg.null_keys, cfg.seed)
         middle = stats.pop() if center is not None else None

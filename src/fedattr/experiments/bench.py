@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -204,3 +205,95 @@ def format_pipeline(fig: dict) -> str:
         f"{100 * fig['overhead']:.1f}%"
     )
     return table(["stage", "seconds", "work", "throughput"], rows) + "\n" + foot
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_scoring(cfg: Any, candidates: int, repeats: int, say: Callable[[str], None]) -> list:
+    """Seconds to read ``candidates`` candidate models (one round's reference, K estimates and
+    the SA mean) with the KGW reading detector, one at a time vs stacked in one forward pass
+    per probe batch, for candidates in FedIT's space (LoRA factors) and in FLoRA's (merged
+    base weights). Also the largest difference between the two reads (float rounding only)."""
+    from ..fl.federation import detection_records
+    from ..models.loading import load_model
+    from ..models.lora import (
+        adapter_state,
+        attach_lora,
+        base_state,
+        can_stack,
+        load_state,
+        lora_layers,
+        stacked_candidates,
+    )
+    from ..models.text import encode_examples
+    from ..watermarks.kgw import KGWScheme
+    from ..watermarks.radioactivity import KGWReadingScorer
+
+    if candidates < 2:
+        raise UserError(f"--candidates: must be >= 2, got {candidates}")
+    if repeats < 1:
+        raise UserError(f"--repeats: must be >= 1, got {repeats}")
+    model, tokenizer = load_model(cfg.model, say)
+    model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
+    if not can_stack(model):
+        raise UserError("bench scoring: this model's LoRA layers cannot be stacked")
+    device = next(model.parameters()).device
+    examples = encode_examples(tokenizer, detection_records(cfg.data, cfg.watermark),
+                               cfg.data.max_len)  # fmt: skip
+    scheme = KGWScheme(cfg.watermark.key_seed, len(tokenizer), cfg.watermark.gamma,
+                       cfg.watermark.delta)  # fmt: skip
+    scorer = KGWReadingScorer(model, examples, {"kgw": scheme}, load_state,
+                              pad_id=tokenizer.pad_token_id, stack=stacked_candidates)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+
+    def noisy(state: dict, keep: Callable[[str], bool]) -> dict:
+        return {k: v if keep(k) else v + 1e-3 * torch.randn(v.shape, generator=gen).to(v)
+                for k, v in state.items()}  # fmt: skip
+
+    zero_b = {f"{n}.lora_B": torch.zeros_like(m.lora_B["default"].weight)
+              for n, m in lora_layers(model).items()}  # fmt: skip
+    spaces = {
+        "FedIT (LoRA factors)": [noisy(adapter_state(model), lambda k: False)
+                                 for _ in range(candidates)],
+        "FLoRA (merged weights)": [noisy({**base_state(model), **zero_b}, lambda k: "lora_B" in k)
+                                   for _ in range(candidates)],
+    }  # fmt: skip
+    rows = []
+    for space, cands in spaces.items():
+        timings: dict[str, list[float]] = {"one": [], "stacked": []}
+        for _ in range(repeats + 1):  # the first pass of each warms up (not timed)
+            for mode in ("one", "stacked"):
+                _synchronize(device)
+                t0 = time.perf_counter()
+                reads = (scorer.observe_many(cands) if mode == "stacked"
+                         else [scorer.observe(c) for c in cands])  # fmt: skip
+                _synchronize(device)
+                timings[mode].append(time.perf_counter() - t0)
+                if mode == "one":
+                    single = reads
+                else:
+                    stacked = reads
+        one, both = statistics.median(timings["one"][1:]), statistics.median(timings["stacked"][1:])
+        diff = max(float((a - b).abs().max()) for a, b in zip(single, stacked, strict=True))
+        say(f"bench scoring: {space}: one at a time {one:.2f} s, stacked {both:.2f} s")
+        rows.append({
+            "space": space, "device": str(device), "candidates": candidates,
+            "probes": len(examples), "one_at_a_time_s": one, "stacked_s": both,
+            "speedup": one / both, "candidates_per_s_stacked": candidates / both,
+            "max_abs_difference": diff,
+        })  # fmt: skip
+    return rows
+
+
+def format_scoring(rows: Sequence[dict]) -> str:
+    """Markdown table of :func:`bench_scoring` rows."""
+    return table(
+        ["candidates in", "device", "candidates", "probes", "one at a time s", "stacked s",
+         "speedup", "candidates/s stacked", "max |difference|"],
+        [[r["space"], r["device"], r["candidates"], r["probes"], f"{r['one_at_a_time_s']:.2f}",
+          f"{r['stacked_s']:.2f}", f"{r['speedup']:.2f}x", f"{r['candidates_per_s_stacked']:.1f}",
+          f"{r['max_abs_difference']:.1e}"] for r in rows],
+    )  # fmt: skip

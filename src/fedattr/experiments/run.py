@@ -35,7 +35,7 @@ from ..fl.registry import make_strategy
 from ..fl.server import Checkpointer, Observer, RoundEngine, Stopwatch
 from ..fl.synthetic import SyntheticPool
 from ..models.loading import load_model
-from ..models.lora import attach_lora, load_state
+from ..models.lora import attach_lora, candidate_stacker, load_state
 from ..models.text import encode_examples
 from ..reporting.markdown import attribution_table, baselines_table, stages_table, variants_table
 from ..reporting.run_folder import RunFolder
@@ -220,8 +220,10 @@ def run_experiment(
     kind, wm = WATERMARKS[cfg.watermark.kind], cfg.watermark
 
     def scorer_for(detector: str) -> Any:
+        stack = candidate_stacker(model)
         return kind.scorer(wm, model, tokenizer, fed.owners, fed.detect_records,
-                           fed.detect_prompts, load_state, detector, cfg.data.max_len)  # fmt: skip
+                           fed.detect_prompts, load_state, detector, cfg.data.max_len,
+                           stack)  # fmt: skip
 
     if cfg.attribution.scoring == "owner":
         # The server holds no owner key: it exports each round for the owners to score.

@@ -8,6 +8,8 @@ Federated code never touches modules directly: it reads and writes named tensors
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -98,3 +100,112 @@ def merged_delta(adapters: dict[str, torch.Tensor], scaling: float) -> dict[str,
 def trainable_lora_parameters(peft_model) -> list[torch.nn.Parameter]:
     """The LoRA factors (what local training updates)."""
     return [p for n, p in peft_model.named_parameters() if "lora_" in n and p.requires_grad]
+
+
+def can_stack(peft_model) -> bool:
+    """Whether :func:`stacked_candidates` can run this model: every adapted module a plain
+    linear LoRA layer (no DoRA or other variant, nothing merged, one active adapter)."""
+    layers = lora_layers(peft_model)
+    return bool(layers) and all(
+        isinstance(layer.base_layer, torch.nn.Linear)
+        and not layer.merged
+        and not layer.disable_adapters
+        and list(layer.active_adapters) == ["default"]
+        and "default" not in getattr(layer, "lora_variant", {})
+        for layer in layers.values()
+    )
+
+
+def candidate_stacker(peft_model):
+    """:func:`stacked_candidates` where it pays, else ``None`` (read candidates one at a time).
+
+    It pays on an accelerator, where one candidate's probe batch leaves most of the device
+    idle. On the CPU the forward pass is compute-bound already at one candidate per batch and
+    stacking only adds memory traffic (measured 0.64-0.82x on the embedded default's model).
+    """
+    device = next(peft_model.parameters()).device
+    return stacked_candidates if device.type != "cpu" and can_stack(peft_model) else None
+
+
+def _candidate_tensor(
+    states: Sequence[dict[str, torch.Tensor]], key: str, current: torch.Tensor
+) -> torch.Tensor | None:
+    """``[C, ...]`` of each candidate's ``key`` (the model's own where a candidate has none),
+    or ``None`` when every candidate uses the same tensor (computed once for the batch)."""
+    values = [state.get(key) for state in states]
+    if all(v is None for v in values):
+        return None
+    # Converted as load_state converts, so a stacked pass reads exactly what a load would.
+    values = [current if v is None else v.to(current.device, current.dtype) for v in values]
+    if all(torch.equal(values[0], v) for v in values[1:]):
+        return None if torch.equal(values[0], current) else values[0].unsqueeze(0)
+    return torch.stack(values)
+
+
+@contextmanager
+def stacked_candidates(peft_model, states: Sequence[dict[str, torch.Tensor]]) -> Iterator[int]:
+    """Run several candidate parameter sets in one forward pass (evaluation only).
+
+    Inside the block, a batch whose rows are candidate-major (rows ``c * b`` to
+    ``(c + 1) * b - 1`` belong to candidate ``c`` of ``len(states)``) passes every adapted
+    module with that candidate's tensors: each state is read as :func:`load_state` would load
+    it on top of the model's current tensors, without writing anything into the model.
+    Candidates that differ in LoRA factors (FedIT) share the base layer's product and run
+    their factors as batched matmuls; candidates that differ in base weights (FLoRA) run one
+    batched matmul of the stacked weights. Yields the number of candidates.
+    """
+    if not can_stack(peft_model):
+        raise ValueError("stacked_candidates: the model has LoRA layers this cannot stack")
+    count = len(states)
+    if count < 1:
+        raise ValueError("stacked_candidates: no candidates")
+    layers = lora_layers(peft_model)
+    known = {f"{name}.{kind}" for name in layers for kind in ("lora_A", "lora_B", "weight")}
+    unknown = sorted({k for state in states for k in state} - known)
+    if unknown:
+        raise KeyError(f"no adapted module for {unknown[:3]}")
+    patched = []
+    try:
+        for name, layer in layers.items():
+            a_now = layer.lora_A["default"].weight.detach()
+            b_now = layer.lora_B["default"].weight.detach()
+            weight = _candidate_tensor(states, f"{name}.weight", layer.base_layer.weight.detach())
+            a = _candidate_tensor(states, f"{name}.lora_A", a_now)
+            b = _candidate_tensor(states, f"{name}.lora_B", b_now)
+            if a is None and b is None:
+                a, b = a_now.unsqueeze(0), b_now.unsqueeze(0)
+            else:
+                a = a_now.unsqueeze(0) if a is None else a
+                b = b_now.unsqueeze(0) if b is None else b
+            if not b.any():
+                a = b = None  # B = 0 (FLoRA's reset adapters): the adapter adds nothing
+            layer.forward = _stacked_forward(layer, count, weight, a, b)
+            patched.append(layer)
+        yield count
+    finally:
+        for layer in patched:
+            del layer.forward  # back to the class's forward
+
+
+def _stacked_forward(layer, count: int, weight, a, b):
+    base = layer.base_layer
+    scaling = layer.scaling["default"]
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if x.shape[0] % count:
+            raise ValueError(f"stacked forward: batch of {x.shape[0]} rows for {count} candidates")
+        grouped = x.reshape(count, -1, x.shape[-1])
+        if weight is None:
+            result = base(x, *args, **kwargs)
+        else:
+            result = torch.matmul(grouped.to(weight.dtype), weight.transpose(1, 2))
+            if base.bias is not None:
+                result = result + base.bias
+            result = result.reshape(*x.shape[:-1], -1)
+        if a is not None:
+            low = torch.matmul(grouped.to(a.dtype), a.transpose(1, 2))
+            lora = torch.matmul(low, b.transpose(1, 2)) * scaling
+            result = result + lora.reshape(result.shape).to(result.dtype)
+        return result
+
+    return forward

@@ -74,7 +74,7 @@ class OwnerScorer:
         from ..fl.federation import detection_records
         from ..fl.registry import make_strategy
         from ..models.loading import load_model
-        from ..models.lora import attach_lora, load_state
+        from ..models.lora import attach_lora, candidate_stacker, load_state
         from ..models.text import encode_examples
         from ..watermarks.radioactivity import KGWReadingScorer
 
@@ -91,8 +91,10 @@ class OwnerScorer:
         server, _ = make_strategy(cfg.fl, cfg.lora)
         self.apply = server.apply_estimate
         examples = encode_examples(tokenizer, records, cfg.data.max_len)
+        stack = candidate_stacker(model)
         self.scorer = KGWReadingScorer(model, examples, {self.name: key.kgw_scheme(len(tokenizer))},
-                                       load_state, pad_id=tokenizer.pad_token_id)  # fmt: skip
+                                       load_state, pad_id=tokenizer.pad_token_id,
+                                       stack=stack)  # fmt: skip
 
     def score(self, folder: str | Path, manifest: dict | None = None) -> Path:
         """Score one round folder (``manifest``: its :func:`read_manifest`, when the caller

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
@@ -93,7 +94,13 @@ class KGWReadingScorer:
         *,
         pad_id: int = 0,
         batch_size: int = 16,
+        stack: Callable[[object, Sequence[dict]], AbstractContextManager] | None = None,
+        pass_bytes: int = 1 << 30,
     ) -> None:
+        """``stack(model, states)``: a context in which one forward pass over candidate-major
+        rows runs each state's parameters (:func:`fedattr.models.lora.stacked_candidates`);
+        with it :meth:`observe_many` reads several candidates per pass, as many as keep one
+        pass's float32 probabilities within ``pass_bytes``."""
         if not schemes:
             raise ValueError("KGWReadingScorer: no owner keys to test (watermark.r = 0?)")
         vocabs = {s.vocab_size for s in schemes.values()}
@@ -103,6 +110,8 @@ class KGWReadingScorer:
         self.load = load
         self.pad_id = pad_id
         self.batch_size = batch_size
+        self.stack = stack
+        self.pass_bytes = pass_bytes
         self.vocab = vocabs.pop()
         # Read each example's loss positions: position t predicts token t + 1 after ids[t].
         self.examples: list[Example] = []
@@ -137,23 +146,49 @@ class KGWReadingScorer:
         """``A[x]``: the model's next-token distributions summed per previous token (a
         ``[contexts, vocab]`` float32 tensor on the model's device)."""
         self.load(self.model, params)
+        return self._read(1)[0]
+
+    @torch.no_grad()
+    def observe_many(self, many: Sequence[dict]) -> list[torch.Tensor]:
+        """:meth:`observe` of every parameter set, several candidates per forward pass when the
+        scorer can stack them (same values up to float rounding), else one at a time."""
+        many = list(many)
+        if self.stack is None or len(many) < 2:
+            return [self.observe(p) for p in many]
+        width = max(len(ex.input_ids) for ex in self.examples)
+        per_candidate = min(self.batch_size, len(self.examples)) * width * self.vocab * 4
+        group = max(1, min(len(many), self.pass_bytes // max(1, per_candidate)))
+        out: list[torch.Tensor] = []
+        for start in range(0, len(many), group):
+            with self.stack(self.model, many[start : start + group]) as count:
+                out.extend(self._read(count))
+        return out
+
+    def _read(self, count: int) -> list[torch.Tensor]:
+        """The probes read by the model as it stands, each batch repeated ``count`` times
+        candidate-major (inside a stacked context: one row block per candidate)."""
         was_training = self.model.training
         self.model.eval()
         device = next(self.model.parameters()).device
-        out = torch.zeros((len(self.contexts), self.vocab), dtype=torch.float32, device=device)
+        out = [
+            torch.zeros((len(self.contexts), self.vocab), dtype=torch.float32, device=device)
+            for _ in range(count)
+        ]
         for start in range(0, len(self.examples), self.batch_size):
             batch = collate(self.examples[start : start + self.batch_size], self.pad_id)
             spans = self._spans[start : start + self.batch_size]
             logits = self.model(
-                input_ids=batch["input_ids"].to(device),
-                attention_mask=batch["attention_mask"].to(device),
+                input_ids=batch["input_ids"].to(device).repeat(count, 1),
+                attention_mask=batch["attention_mask"].to(device).repeat(count, 1),
             ).logits
             # Renormalised over the tokenizer's vocabulary (heads may be padded beyond it),
             # so that every row of a change sums to zero.
             probs = torch.softmax(logits[..., : self.vocab].float(), dim=-1)
-            rows = torch.cat([probs[i, a:b] for i, (a, b) in enumerate(spans)])
             groups = torch.cat(self._groups[start : start + self.batch_size]).to(device)
-            out.index_add_(0, groups, rows)
+            for c in range(count):
+                block = probs[c * len(spans) : (c + 1) * len(spans)]
+                rows = torch.cat([block[i, a:b] for i, (a, b) in enumerate(spans)])
+                out[c].index_add_(0, groups, rows)
         if was_training:
             self.model.train()
         return out

@@ -47,8 +47,10 @@ class WatermarkKind:
     def scorer(
         self, wm, model, tokenizer, owners: Mapping[str, Any], detect_records: Sequence[Record],
         detect_prompts: Sequence[str], load: Callable, detector: str, max_len: int,
+        stack: Callable | None = None,
     ) -> Any:  # fmt: skip
-        """The detector over every owner's secret."""
+        """The detector over every owner's secret. ``stack(model, states)``: a context that runs
+        several candidates' parameters in one forward pass, for detectors that can use it."""
         raise NotImplementedError
 
 
@@ -85,14 +87,15 @@ class KGW(WatermarkKind):
         return docs, None
 
     def scorer(self, wm, model, tokenizer, owners, detect_records, detect_prompts, load,
-               detector, max_len):  # fmt: skip
+               detector, max_len, stack=None):  # fmt: skip
         if detector == "greedy":
             return KGWModelScorer(
                 model, tokenizer, detect_prompts, owners, load,
                 max_new_tokens=wm.detect_max_new_tokens, dedupe=wm.dedupe,
             )  # fmt: skip
         examples = encode_examples(tokenizer, detect_records, max_len)
-        return KGWReadingScorer(model, examples, owners, load, pad_id=tokenizer.pad_token_id)
+        return KGWReadingScorer(model, examples, owners, load, pad_id=tokenizer.pad_token_id,
+                                stack=stack)  # fmt: skip
 
 
 class FictitiousKnowledge(WatermarkKind):
@@ -119,7 +122,7 @@ class FictitiousKnowledge(WatermarkKind):
         return docs, target_share(docs, secret)
 
     def scorer(self, wm, model, tokenizer, owners, detect_records, detect_prompts, load,
-               detector, max_len):  # fmt: skip
+               detector, max_len, stack=None):  # fmt: skip
         if detector == "greedy":
             return FKHitRateScorer(
                 model, tokenizer, owners, load, questions=wm.fk_questions,
