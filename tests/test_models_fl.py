@@ -102,3 +102,53 @@ def test_flora_aggregation_equals_stacked_product(tiny_cache):
     # Scoring parameters silence the adapters (B = 0) so only the merged base counts.
     params = server.scoring_params(new)
     assert all(torch.count_nonzero(v) == 0 for k, v in params.items() if k.endswith("lora_B"))
+
+
+def test_epoch_batches_plain_and_grouped_by_length():
+    from fedattr.models.training import epoch_batches
+
+    lengths = [int(x) for x in np.random.default_rng(0).integers(5, 500, size=1000)]
+    plain = epoch_batches(lengths, 16, np.random.default_rng(3), by_length=False)
+    # Without grouping: the permutation the loop always drew, cut in order (results unchanged).
+    order = np.random.default_rng(3).permutation(1000)
+    assert plain == [order[b : b + 16].tolist() for b in range(0, 1000, 16)]
+    grouped = epoch_batches(lengths, 16, np.random.default_rng(3), by_length=True)
+    assert sorted(i for b in grouped for i in b) == list(range(1000))  # each example once
+    assert len(grouped) == len(plain) and all(len(b) <= 16 for b in grouped)
+
+    def padding(batches):  # padded positions when each batch pads to its longest example
+        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b)
+                   for b in batches)  # fmt: skip
+
+    assert padding(grouped) < 0.2 * padding(plain)
+    # Seeded: the same generator state gives the same batches; the order is shuffled.
+    assert grouped == epoch_batches(lengths, 16, np.random.default_rng(3), by_length=True)
+    firsts = [max(lengths[i] for i in b) for b in grouped[:20]]
+    assert firsts != sorted(firsts, reverse=True)
+
+
+def test_optimizer_options_fuse_adamw_on_cuda_only():
+    from fedattr.models.training import optimizer_options
+
+    params = [torch.zeros(3, requires_grad=True)]
+    assert optimizer_options(torch.device("cuda"), params) == {"fused": True}
+    assert optimizer_options(torch.device("cpu"), params) == {}
+
+
+def test_training_grouped_by_length_learns(tiny_cache):
+    from fedattr.data.corpus import generate_corpus
+    from fedattr.models.lora import trainable_lora_parameters
+    from fedattr.models.text import encode_examples
+    from fedattr.models.training import TrainSettings, train
+
+    model, tok = _model(tiny_cache)
+    model = attach_lora(model, LoRAConfig(r=4, alpha=8), seed=0)
+    examples = encode_examples(tok, generate_corpus(48, seed=1), 64)
+    settings = TrainSettings(epochs=3, batch_size=8, micro_batch_size=4, lr=3e-3,
+                             group_by_length=True)  # fmt: skip
+    first = train(model, trainable_lora_parameters(model), examples, settings, tok.pad_token_id,
+                  seed=1, on_step=None)  # fmt: skip
+    assert first["steps"] == 18 and first["tokens"] > 0
+    again = train(model, trainable_lora_parameters(model), examples, settings, tok.pad_token_id,
+                  seed=1)  # fmt: skip
+    assert again["loss"] < first["loss"]  # it keeps learning on the same data

@@ -150,6 +150,7 @@ PRESET_OVERRIDES: dict[str, list[str]] = {
         "fl.train.micro_batch_size=16",
         "fl.train.lr=2e-4",
         "fl.train.epochs=1",
+        "fl.train.group_by_length=true",
         "watermark.detect_prompts=64",
         "watermark.detect_max_new_tokens=64",
         "watermark.doc_max_new_tokens=256",
