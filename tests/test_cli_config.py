@@ -112,3 +112,11 @@ def test_unknown_detector_is_named():
 
     with pytest.raises(ConfigError, match=r"watermark\.detector: must be reading or greedy"):
         load(RunConfig, None, ["watermark.detector=magic"])
+
+
+def test_overlap_is_refused_beside_baselines_and_owner_scoring(capsys):
+    for extra in ("baselines=true", "attribution.scoring=owner"):
+        assert main(["run", "--set", "attribution.overlap=true", "--set", extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        assert "attribution.overlap" in err and "allowed there: false" in err

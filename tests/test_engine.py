@@ -254,3 +254,48 @@ def test_calibrated_statistic_is_device_correct_too():
     assert record.decorrelated is True and len(record.targets) == 10
     report = fed.report()
     assert report.statistic == "calibrated" and report.null_keys == 5
+
+
+def test_overlapped_scoring_gives_the_same_results_and_whole_round_checkpoints():
+    """Scoring in the background (round t while round t+1 trains): the same Z as scoring at
+    once; checkpoints are written only once a round's scores are in, with the engine's state
+    of that round (not of the round training meanwhile) and the scoring time it took."""
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fedattr.fl import Checkpointer
+
+    syn = SyntheticConfig(dim=256, rounds=4)
+    _, (inline,) = _engine(syn, SecAggConfig(), {"fedattr": AttributionConfig(M=5)})
+    pool = SyntheticPool(syn)
+    saved = []
+    with ThreadPoolExecutor(1) as background:
+        observer = AttributionObserver(FedAttr(AttributionConfig(M=5)),
+                                       LinearScorer(pool.direction), background=background)
+        checkpoint = Checkpointer(lambda snap: saved.append(copy.deepcopy(snap)))  # as on disk
+        engine = RoundEngine(pool, FedAvgServer(), make_aggregator(SecAggConfig()),
+                             [observer, checkpoint], rounds=syn.rounds, progress=QUIET)
+        train, busy = pool.train_round, []
+
+        def watched(*args, **kwargs):  # was the last round still being scored meanwhile?
+            busy.append(observer.busy)
+            return train(*args, **kwargs)
+
+        pool.train_round = watched
+        engine.run(pool.initial_params())
+    assert busy == [False, True, True, True]
+    assert _Z(observer.fedattr) == _Z(inline.fedattr)
+    assert [s["round"] for s in saved] == [1, 2, 3, 4]
+    for snap in saved:
+        # Whole rounds only: the observer holds exactly the snapshot's rounds.
+        assert len(snap["observers"]["fedattr"]["records"]) == snap["round"]
+        assert len(snap["history"]) == snap["round"]
+        assert snap["timing"]["counts"]["models_scored"] == 12 * snap["round"]  # ref, 10, mean
+    # A run resumed from the round-2 checkpoint ends where the uninterrupted one did.
+    pool2 = SyntheticPool(syn)
+    again = AttributionObserver(FedAttr(AttributionConfig(M=5)), LinearScorer(pool2.direction))
+    engine2 = RoundEngine(pool2, FedAvgServer(), make_aggregator(SecAggConfig()), [again],
+                          rounds=syn.rounds, progress=QUIET)  # fmt: skip
+    engine2.restore(saved[1])
+    engine2.run(pool2.initial_params())
+    assert _Z(again.fedattr) == _Z(inline.fedattr)

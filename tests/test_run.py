@@ -4,7 +4,7 @@ import pytest
 
 from conftest import small_overrides as _small
 from fedattr.cli import main
-from fedattr.config import load
+from fedattr.config import load, to_dict
 from fedattr.experiments.config import RunConfig
 from fedattr.experiments.run import run_experiment
 
@@ -133,3 +133,16 @@ def test_bench_scoring_compares_stacked_and_one_at_a_time_reads(tiny_cache, tmp_
     assert "speedup" in (out / "scoring.md").read_text()
     assert main(["bench", "scoring", "--candidates", "1"]) == 2
     assert "--candidates: must be >= 2" in capsys.readouterr().err
+
+
+def test_overlapped_scoring_on_a_model_copy_gives_the_same_results(tiny_cache, tmp_path):
+    from fedattr.reporting.run_folder import RunFolder
+
+    inline = run_experiment(load(RunConfig, None, _small(tiny_cache)), progress=lambda _m: None)
+    cfg = load(RunConfig, None, _small(tiny_cache, "attribution.overlap=true"))
+    folder = RunFolder(tmp_path / "run")
+    folder.claim(to_dict(cfg))
+    overlapped = run_experiment(cfg, progress=lambda _m: None, folder=folder)
+    assert [c.Z for c in overlapped.report.clients] == [c.Z for c in inline.report.clients]
+    assert [c.p for c in overlapped.report.clients] == [c.p for c in inline.report.clients]
+    assert overlapped.sa_queries == inline.sa_queries

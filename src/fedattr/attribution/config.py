@@ -56,6 +56,11 @@ class AttributionConfig:
     ``owner``: the server holds no key; it exports each round's reference and estimates for the
     owners (``<run>/rounds/``), who score them (``fedattr owner score``); ``fedattr attribute``
     combines their scores into the run's results (calibrated statistic only)."""
+    overlap: bool = False
+    """Score round ``t`` in the background while the clients train round ``t + 1`` (the
+    paper's suggestion; the SA queries still run while SA holds round ``t``). The scorer then
+    reads a copy of the model. Same results; a checkpoint is written once a round's scores
+    are in."""
     null: str = "auto"
     """``theoretical`` (the paper): each differential score is taken as N(0, 1) under the null.
     ``empirical``: each round's scores per statistic are standardised by their median and MAD

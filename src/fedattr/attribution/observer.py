@@ -9,17 +9,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
+from concurrent.futures import Executor, Future
 from typing import Any
 
-from ..fl.server import Observer, RoundContext
+from ..fl.server import Observer, RoundContext, RunEnd
 from .protocol import FedAttr, resolve_scorer_null
 
 
 class AttributionObserver(Observer):
-    """Runs :class:`FedAttr` on each round while SA still holds the updates."""
+    """Runs :class:`FedAttr` on each round while SA still holds the updates.
+
+    With ``background`` (an executor; one worker, shared by every observer that reads the
+    same model) the round's SA queries run at once and its scoring is handed to the executor,
+    so it runs while the clients train the next round; the engine collects it (:meth:`settle`)
+    before the next round's attribution starts.
+    """
 
     def __init__(self, fedattr: FedAttr, scorer: Any, name: str = "fedattr",
-                 primary: bool = True, marked: Collection[int] = ()) -> None:  # fmt: skip
+                 primary: bool = True, marked: Collection[int] = (),
+                 background: Executor | None = None) -> None:  # fmt: skip
         self.fedattr, self.scorer, self.name, self.primary = fedattr, scorer, name, primary
         self.marked = set(marked)
         """Clients starred in progress lines (the simulation's watermarked ones)."""
@@ -27,27 +35,53 @@ class AttributionObserver(Observer):
         self.records: list[dict] = []
         """One ``RoundRecord.to_dict()`` per round."""
         self.timing = {"sa_s": 0.0, "scoring_s": 0.0}
+        self.background = background
+        self._pending: tuple[RoundContext, Future] | None = None
 
     def round_opened(self, ctx: RoundContext) -> None:
         fed = self.fedattr
+        self.settle()
         with ctx.sa.session(self.name):
             t0 = time.perf_counter()
             estimates = fed.query_round(ctx.round, ctx.sa)
             t1 = time.perf_counter()
+        self.timing["sa_s"] += t1 - t0
+        if self.primary:
+            ctx.timing.add("sa_s", t1 - t0)
+        if self.background is not None:
+            self._pending = (ctx, self.background.submit(self._score, ctx, estimates, None))
+            return
         steps = ctx.progress.steps(
             len(estimates.estimates), f"round {ctx.round} {self.name} scoring", lines=False
         )
-        record = fed.score_round(
-            estimates, ctx.reference, self.scorer, apply=ctx.apply, center=ctx.mean_update,
-            on_target=lambda r: steps.step(f"client {r.target}"),
-        )  # fmt: skip
+        record, seconds = self._score(ctx, estimates, lambda r: steps.step(f"client {r.target}"))
         steps.close()
-        t2 = time.perf_counter()
-        self.timing["sa_s"] += t1 - t0
-        self.timing["scoring_s"] += t2 - t1
+        self._record(ctx, record, seconds)
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None
+
+    def settle(self) -> None:
+        if self._pending is not None:
+            (ctx, job), self._pending = self._pending, None
+            self._record(ctx, *job.result())
+
+    def run_finished(self, end: RunEnd) -> None:
+        self.settle()
+
+    def _score(self, ctx: RoundContext, estimates: Any, on_target: Any) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        record = self.fedattr.score_round(
+            estimates, ctx.reference, self.scorer, apply=ctx.apply, center=ctx.mean_update,
+            on_target=on_target,
+        )  # fmt: skip
+        return record, time.perf_counter() - t0
+
+    def _record(self, ctx: RoundContext, record: Any, seconds: float) -> None:
+        self.timing["scoring_s"] += seconds
         if self.primary:
-            ctx.timing.add("sa_s", t1 - t0)
-            ctx.timing.add("scoring_s", t2 - t1)
+            ctx.timing.add("scoring_s", seconds)
             ctx.timing.count("models_scored", record.models_scored)
         self.records.append(record.to_dict())
         line = " ".join(
@@ -60,6 +94,7 @@ class AttributionObserver(Observer):
         ctx.progress(f"[round {ctx.round}/{ctx.rounds}] {self.name} max-statistic z{star}: {line}")
 
     def state(self) -> dict:
+        self.settle()  # a checkpoint holds whole rounds only
         return {
             "fedattr": self.fedattr.state(),
             "records": self.records,

@@ -118,6 +118,12 @@ class RunConfig:
             )
         if wm.key_files and wm.kind != "kgw":
             raise ValueError("watermark.key_files: owner key files are KGW keys (kind=kgw)")
+        if self.attribution.overlap and (self.baselines or self.attribution.scoring == "owner"):
+            raise ValueError(
+                "attribution.overlap: scores in the background on a copy of the model, beside "
+                "neither baselines (they read the same scorer each round) nor "
+                "attribution.scoring=owner (the server scores nothing); allowed there: false"
+            )
         self.secagg = harden(self.attribution, self.secagg, n)
         for name, a in self.attribution_variants().items():  # validated before any work
             if a.statistic == "calibrated" and self.watermark.detector == "greedy":

@@ -8,8 +8,10 @@ is run here: :class:`~fedattr.fl.server.RoundEngine` runs them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,10 +126,18 @@ class RunResult:
 
 
 def _observers(
-    variants: Mapping[str, AttributionConfig], scorer: Any, marked: Collection[int]
-) -> list[AttributionObserver]:
+    variants: Mapping[str, AttributionConfig], scorer: Any, marked: Collection[int],
+    background: Executor | None = None,
+) -> list[AttributionObserver]:  # fmt: skip
     return [
-        AttributionObserver(FedAttr(cfg), scorer, name, primary=(k == 0), marked=marked)
+        AttributionObserver(
+            FedAttr(cfg),
+            scorer,
+            name,
+            primary=(k == 0),
+            marked=marked,
+            background=background if cfg.overlap else None,
+        )
         for k, (name, cfg) in enumerate(variants.items())
     ]
 
@@ -219,9 +229,11 @@ def run_experiment(
                              seed=cfg.fl.seed)  # fmt: skip
     kind, wm = WATERMARKS[cfg.watermark.kind], cfg.watermark
 
-    def scorer_for(detector: str) -> Any:
-        stack = candidate_stacker(model)
-        return kind.scorer(wm, model, tokenizer, fed.owners, fed.detect_records,
+    background: ThreadPoolExecutor | None = None
+
+    def scorer_for(detector: str, reader: Any = model) -> Any:
+        stack = candidate_stacker(reader)
+        return kind.scorer(wm, reader, tokenizer, fed.owners, fed.detect_records,
                            fed.detect_prompts, load_state, detector, cfg.data.max_len,
                            stack)  # fmt: skip
 
@@ -233,8 +245,16 @@ def run_experiment(
                                                     to_dict(cfg))]  # fmt: skip
         attribution = list(observers)
     else:
-        scorer = scorer_for(wm.detector)
-        observers = list(_observers(cfg.attribution_variants(), scorer, fed.owner_of))
+        variants = cfg.attribution_variants()
+        if any(a.overlap for a in variants.values()):
+            # Scoring runs beside the next round's training: it reads its own copy of the
+            # model, one round at a time (one worker shared by every variant).
+            background = ThreadPoolExecutor(1, thread_name_prefix="fedattr-scoring")
+            scoring_model = copy.deepcopy(model)
+            scorer = scorer_for(wm.detector, scoring_model)
+        else:
+            scorer = scorer_for(wm.detector)
+        observers = list(_observers(variants, scorer, fed.owner_of, background))
         attribution = list(observers)
     if cfg.baselines:
         with timing.measure("baselines_s"):
@@ -262,7 +282,11 @@ def run_experiment(
     )  # fmt: skip
     if saved is not None:
         engine.restore(saved)
-    engine.run(state)
+    try:
+        engine.run(state)
+    finally:
+        if background is not None:
+            background.shutdown(cancel_futures=True)
     truth = fed.truth(cfg.fl.K)
     details = {
         "scoring": cfg.attribution.scoring,

@@ -77,6 +77,18 @@ class Observer:
     def run_finished(self, end: RunEnd) -> None:
         """Every round is done."""
 
+    @property
+    def busy(self) -> bool:
+        """Whether work of a past round still runs in the background (see :meth:`settle`)."""
+        return False
+
+    def settle(self) -> None:
+        """Finish background work of past rounds. The engine calls it once the next round's
+        clients have trained (before any ``round_opened``) and before ``run_finished``."""
+
+    def settled(self) -> None:
+        """Every observer has settled (see :class:`Checkpointer`)."""
+
     def state(self) -> Any:
         """What to checkpoint (``None``: nothing)."""
         return None
@@ -86,20 +98,39 @@ class Observer:
 
 
 class Checkpointer(Observer):
-    """Saves the engine's snapshot after every round through ``save`` (e.g. a run folder's)."""
+    """Saves the engine's snapshot after every round through ``save`` (e.g. a run folder's).
+
+    While an observer still works on the round in the background, the engine's part of the
+    snapshot is taken at the round's end and written with the observers' states once they
+    have settled (after the next round's training): a checkpoint never holds half a round.
+    """
 
     name = "checkpoint"
 
     def __init__(self, save: Callable[[dict], None]) -> None:
         self.save = save
         self.engine: RoundEngine | None = None
+        self._waiting: dict | None = None
 
     def attach(self, engine: RoundEngine) -> None:
         self.engine = engine
 
     def round_closed(self, ctx: RoundContext) -> None:
         assert self.engine is not None
-        self.save(self.engine.snapshot())
+        if any(o.busy for o in self.engine.observers):
+            self._waiting = self.engine.snapshot(observers=False)
+        else:
+            self.save(self.engine.snapshot())
+
+    def settled(self) -> None:
+        assert self.engine is not None
+        if self._waiting is not None:
+            snapshot, self._waiting = self._waiting, None
+            timing = snapshot["timing"]
+            for part, added in self.engine.settled_work.items():
+                timing[part] = {k: timing[part].get(k, 0) + added.get(k, 0)
+                                for k in {*timing[part], *added}}  # fmt: skip
+            self.save({**snapshot, "observers": self.engine.observer_states()})
 
 
 @dataclass
@@ -148,22 +179,44 @@ class RoundEngine:
         self.queries: list[dict] = []
         """Every answered SA query of the run (coefficients, never results)."""
         self.state: Any = None
+        self.settled_work: dict = {"seconds": {}, "counts": {}}
+        """Stage seconds and counts the last :meth:`_settle` added (background work)."""
         self.round = 0
         """The last finished round."""
         for o in self.observers:
             o.attach(self)
 
-    def snapshot(self) -> dict:
-        """Everything needed to continue after :attr:`round` (for checkpoints)."""
-        return {
+    def snapshot(self, observers: bool = True) -> dict:
+        """Everything needed to continue after :attr:`round` (for checkpoints); the engine's
+        part alone (copies, so later rounds do not change it) with ``observers=False``."""
+        out = {
             "round": self.round,
             "state": self.state,
-            "history": self.history,
-            "queries": self.queries,
+            "history": list(self.history),
+            "queries": list(self.queries),
             "rng": self.rng.bit_generator.state,
             "timing": self.timing.state(),
-            "observers": {o.name: o.state() for o in self.observers},
         }
+        if observers:
+            out["observers"] = self.observer_states()
+        return out
+
+    def observer_states(self) -> dict:
+        """Every observer's checkpoint state by name."""
+        return {o.name: o.state() for o in self.observers}
+
+    def _settle(self) -> None:
+        before = self.timing.state()
+        for o in self.observers:
+            o.settle()
+        after = self.timing.state()
+        # What settling added (the past round's background work), for deferred checkpoints.
+        self.settled_work = {
+            part: {k: v - before[part].get(k, 0) for k, v in after[part].items()}
+            for part in ("seconds", "counts")
+        }
+        for o in self.observers:
+            o.settled()
 
     def restore(self, snapshot: Mapping) -> None:
         """Continue from :meth:`snapshot` (the configuration must be the same)."""
@@ -182,6 +235,7 @@ class RoundEngine:
             self.progress(f"resuming after round {self.round} of {self.rounds}")
         for t in range(self.round + 1, self.rounds + 1):
             self._round(t)
+        self._settle()
         end = RunEnd(
             self.state, self.server.scoring_params(self.state), self.timing, self.progress
         )
@@ -208,6 +262,8 @@ class RoundEngine:
             t, self.rounds, participants, answered, sa, self.server.scoring_params(self.state),
             mean_update, self.server.apply_estimate, losses, self.timing, self.progress,
         )  # fmt: skip
+        # Work on the previous round that ran beside this round's training ends here.
+        self._settle()
         for o in self.observers:
             o.round_opened(ctx)
         self.state = self.server.aggregate(self.state, mean_update)
