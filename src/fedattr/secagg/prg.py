@@ -112,26 +112,6 @@ def masked(
             enc.update_into(zeros[:nbytes], buffer[: nbytes + 15])
             (np.add if sign > 0 else np.subtract)(part, mask[: part.size], out=part)
     return y
-    np_dtype = _NUMPY_RING[y.dtype]
-    ring = y.numpy()  # a view: numpy's integer arithmetic wraps modulo 2^b like the ring
-    step = _APPLY_CHUNK // ring.itemsize
-    zeros = np.zeros(step * ring.itemsize, dtype=np.uint8)
-    buffer = np.empty(step * ring.itemsize + 15, dtype=np.uint8)
-    mask = buffer[: step * ring.itemsize].view(np_dtype)
-    encryptors = []
-    for seed in seeds:
-        if len(seed) != 32:
-            raise SecAggError(f"prg seed must be 32 bytes, got {len(seed)}")
-        encryptors.append(_cipher(prg, seed).encryptor())
-    for start in range(0, ring.size, step):
-        part = ring[start : start + step]
-        nbytes = part.size * ring.itemsize
-        for sign, enc in zip(signs, encryptors, strict=True):
-            # One encryptor per seed continues its keystream across slices: the bytes are
-            # those :func:`expand` would give for the whole vector.
-            enc.update_into(zeros[:nbytes], buffer[: nbytes + 15])
-            (np.add if sign > 0 else np.subtract)(part, mask[: part.size], out=part)
-    return y
 
 
 _OPENSSL_ON_CPU = True  # tests switch it off to run the device code path on the CPU
