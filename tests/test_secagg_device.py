@@ -126,3 +126,15 @@ def test_compiled_torch_chacha20_is_bit_exact_with_openssl():
         out = keystream(keys, n, "cpu", compile=True)
         for row, key in zip(out, keys, strict=True):
             assert bytes(row.numpy()) == _openssl(key, n)
+
+
+@pytest.mark.parametrize("ring", [(64, 32), (32, 16)])
+def test_decode_on_the_cpu_equals_the_torch_decode(ring):
+    from fedattr.secagg.fixedpoint import FixedPointCodec
+
+    codec = FixedPointCodec(ring_bits=ring[0], frac_bits=ring[1], clip=8.0)
+    gen = torch.Generator().manual_seed(2)
+    values = torch.randint(-(2**62), 2**62, (1000,), generator=gen).to(codec.dtype)
+    want = (values.to(torch.float64) / codec.scale).numpy()
+    got = codec.decode(values)
+    assert got.dtype == np.float64 and np.array_equal(got, want)

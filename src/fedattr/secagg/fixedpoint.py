@@ -112,4 +112,8 @@ class FixedPointCodec:
 
     def decode(self, ring: torch.Tensor) -> np.ndarray:
         """Decode ring elements (a sum of encodings) back to a float64 NumPy vector."""
+        if ring.device.type == "cpu":
+            # NumPy, not torch, on the CPU: the same values, without waking torch's worker
+            # threads (they spin afterwards, beside the next query's ciphers).
+            return ring.numpy().astype(np.float64) / self.scale
         return (ring.to(torch.float64) / self.scale).cpu().numpy()
