@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import MICRO_TINY
-from fedattr.attribution.scoring import DifferentialScorer
+from fedattr.attribution.scoring import DifferentialScorer, observes_in_batches
 from fedattr.data.corpus import generate_corpus
 from fedattr.models.config import ModelConfig, TinyModelConfig
 from fedattr.models.loading import load_model
@@ -207,12 +207,15 @@ def test_stacked_candidates_read_as_loading_each_one(tiny_cache, space):
     one = KGWReadingScorer(model, texts, schemes, load_state, pad_id=tok.pad_token_id,
                            batch_size=6)  # fmt: skip
     want = [one.observe(c) for c in candidates]
+    # Without a stacker the round is fed lazily, one candidate at a time.
+    assert not observes_in_batches(one)
     before = {**adapter_state(model), **base_state(model)}
     # A small pass budget splits the five candidates over several stacked passes.
     for budget in (1 << 30, 3 * 6 * 64 * len(tok) * 4):
         many = KGWReadingScorer(model, texts, schemes, load_state, pad_id=tok.pad_token_id,
                                 batch_size=6, stack=stacked_candidates,
                                 pass_bytes=budget)  # fmt: skip
+        assert observes_in_batches(many)
         got = many.observe_many(candidates)
         assert len(got) == len(want)
         for a, b in zip(got, want, strict=True):

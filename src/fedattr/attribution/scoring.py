@@ -37,7 +37,8 @@ class PairedScorer(Protocol):
     """A scorer that tests the change between a reference and a candidate model directly.
 
     It may also offer ``observe_many(list_of_params)`` (one observation per entry, in order) to
-    evaluate a round's candidates in one batched pass; without it they are observed one by one.
+    evaluate a round's candidates in one batched pass; without it (or with ``batched`` false)
+    they are observed one by one.
     """
 
     def observe(self, params: Any) -> Any:
@@ -106,8 +107,10 @@ def observe_all(scorer: PairedScorer, params: Sequence[Any]) -> Iterable[Any]:
 
 
 def observes_in_batches(scorer: Any) -> bool:
-    """Whether :func:`observe_all` sees a round's candidates in one batched call."""
-    return callable(getattr(scorer, "observe_many", None))
+    """Whether :func:`observe_all` sees a round's candidates in one batched call: the scorer
+    has ``observe_many`` and does not say ``batched = False`` (a scorer that would only loop
+    over ``observe`` is better fed lazily, one candidate's parameters at a time)."""
+    return callable(getattr(scorer, "observe_many", None)) and getattr(scorer, "batched", True)
 
 
 def is_paired(scorer: Any) -> bool:

@@ -148,6 +148,11 @@ class KGWReadingScorer:
         self.load(self.model, params)
         return self._read(1)[0]
 
+    @property
+    def batched(self) -> bool:
+        """Whether :meth:`observe_many` reads several candidates per pass (with ``stack``)."""
+        return self.stack is not None
+
     @torch.no_grad()
     def observe_many(self, many: Sequence[dict]) -> list[torch.Tensor]:
         """:meth:`observe` of every parameter set, several candidates per forward pass when the
