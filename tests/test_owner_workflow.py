@@ -105,3 +105,17 @@ def test_missing_or_altered_round_files_are_one_clear_line(tiny_cache, owner_fil
         from fedattr.attribution.config import AttributionConfig
 
         AttributionConfig(scoring="nobody")
+
+
+def test_damaged_export_json_is_one_line_naming_the_file(tmp_path):
+    from fedattr.attribution.offline import _scores
+    from fedattr.owner.score import RoundFolderError, run_config_of
+
+    (tmp_path / "scores-abc.json").write_text("{not json")
+    with pytest.raises(RoundFolderError, match=r"scores-abc\.json' is damaged"):
+        _scores(tmp_path, 1)
+    round_dir = tmp_path / "rounds" / "round-001"
+    round_dir.mkdir(parents=True)
+    (tmp_path / "rounds" / "run.json").write_text("[")
+    with pytest.raises(RoundFolderError, match=r"run\.json' is damaged"):
+        run_config_of(round_dir)

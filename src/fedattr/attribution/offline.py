@@ -22,16 +22,15 @@ from .stouffer import AttributionReport
 
 
 def _scores(folder: Path, round_id: int) -> dict[str, dict]:
+    from ..owner.score import read_json
+
     files = sorted(folder.glob("scores-*.json"))
     if not files:
         raise UserError(f"round folder {str(folder)!r} holds no scores-*.json: the owners "
                         "score it first (fedattr owner score --key KEY ROUND_DIR)")  # fmt: skip
     out = {}
     for f in files:
-        try:
-            data = json.loads(f.read_text())
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{str(f)!r} is damaged ({exc.msg})") from None
+        data = read_json(f)
         if data.get("round") != round_id:
             raise UserError(f"{str(f)!r} scores round {data.get('round')}, not {round_id}")
         out[data["owner"]] = data

@@ -29,6 +29,14 @@ class RoundFolderError(UserError):
     """A round folder that is missing, incomplete or altered."""
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file of a run's exports; a damaged one is one line naming it."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RoundFolderError(f"{str(path)!r} is damaged ({exc.msg})") from None
+
+
 def read_manifest(folder: Path) -> dict:
     """A round folder's manifest, its tensor files checked against their digests."""
     from ..attribution.export import ROUND_FORMAT, TENSOR_FILES
@@ -37,10 +45,7 @@ def read_manifest(folder: Path) -> dict:
     if not path.is_file():
         raise RoundFolderError(f"round folder {str(folder)!r}: no manifest.json (not a round "
                                "folder, or its export did not finish)")  # fmt: skip
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RoundFolderError(f"{str(path)!r} is damaged ({exc.msg})") from None
+    manifest = read_json(path)
     if manifest.get("format") != ROUND_FORMAT:
         raise RoundFolderError(f"{str(path)!r}: not a fedattr round manifest ({ROUND_FORMAT})")
     for name in TENSOR_FILES:
@@ -63,7 +68,7 @@ def run_config_of(folder: Path) -> Any:
     if not path.is_file():
         raise RoundFolderError(f"{str(path)!r} is missing: the run's configuration comes with "
                                "its round folders")  # fmt: skip
-    return from_dict(RunConfig, json.loads(path.read_text()))
+    return from_dict(RunConfig, read_json(path))
 
 
 class OwnerScorer:
