@@ -35,18 +35,22 @@ class BenchRow:
         return asdict(self)
 
 
+def _synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued kernels, so a timer reads finished work."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _plain_sum_ms(vectors: Sequence[torch.Tensor], device: str, repeats: int) -> float:
     xs = [v.to(device) for v in vectors]
     times = []
     for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        _synchronize(device)
         t0 = time.perf_counter()
         total = xs[0].clone()
         for x in xs[1:]:
             total += x
-        if device == "cuda":
-            torch.cuda.synchronize()
+        _synchronize(device)
         times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times)
 
@@ -205,11 +209,6 @@ def format_pipeline(fig: dict) -> str:
         f"{100 * fig['overhead']:.1f}%"
     )
     return table(["stage", "seconds", "work", "throughput"], rows) + "\n" + foot
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def bench_scoring(cfg: Any, candidates: int, repeats: int, say: Callable[[str], None]) -> list:

@@ -172,11 +172,9 @@ def stacked_candidates(peft_model, states: Sequence[dict[str, torch.Tensor]]) ->
             weight = _candidate_tensor(states, f"{name}.weight", layer.base_layer.weight.detach())
             a = _candidate_tensor(states, f"{name}.lora_A", a_now)
             b = _candidate_tensor(states, f"{name}.lora_B", b_now)
-            if a is None and b is None:
-                a, b = a_now.unsqueeze(0), b_now.unsqueeze(0)
-            else:
-                a = a_now.unsqueeze(0) if a is None else a
-                b = b_now.unsqueeze(0) if b is None else b
+            # A factor every candidate shares is the model's own, one copy for all rows.
+            a = a_now.unsqueeze(0) if a is None else a
+            b = b_now.unsqueeze(0) if b is None else b
             if not b.any():
                 a = b = None  # B = 0 (FLoRA's reset adapters): the adapter adds nothing
             layer.forward = _stacked_forward(layer, count, weight, a, b)
