@@ -108,10 +108,13 @@ def test_setting_one_nested_key_keeps_the_parents_other_defaults():
 
 
 def test_unknown_detector_is_named():
-    from fedattr.experiments.config import RunConfig
+    from fedattr.experiments.config import RunConfig, preset_overrides
 
     with pytest.raises(ConfigError, match=r"watermark\.detector: must be reading or greedy"):
         load(RunConfig, None, ["watermark.detector=magic"])
+    with pytest.raises(ConfigError, match=r"watermark\.teacher_batch: must be >= 1, got 0"):
+        load(RunConfig, None, ["watermark.teacher_batch=0"])
+    assert load(RunConfig, None, preset_overrides("smollm2")).watermark.teacher_batch == 128
 
 
 def test_overlap_is_refused_beside_baselines_and_owner_scoring(capsys):

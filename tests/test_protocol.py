@@ -84,6 +84,15 @@ def test_round_too_small_for_the_design_is_a_clear_error():
         fed.attribute_round(1, sa, torch.zeros(3), LinearScorer(torch.ones(3)))
 
 
+def _plaintext_round(updates: dict) -> object:
+    """A plaintext SA round (threshold 2) holding ``updates``."""
+    sa = make_aggregator(SecAggConfig(backend="plaintext", min_members=2))
+    sa.open_round(1, list(updates))
+    for c, u in updates.items():
+        sa.submit(c, u)
+    return sa
+
+
 def test_centering_removes_the_common_direction_from_every_score():
     # Every client's update is a common step along the scorer's direction plus its own noise
     # orthogonal to it: uncentred, each differential score carries the common step; centred on
@@ -100,10 +109,7 @@ def test_centering_removes_the_common_direction_from_every_score():
     mean = torch.stack(list(updates.values())).mean(0)
     scores = {}
     for center in (False, True):
-        sa = make_aggregator(SecAggConfig(backend="plaintext", min_members=2))
-        sa.open_round(1, list(range(K)))
-        for c, u in updates.items():
-            sa.submit(c, u)
+        sa = _plaintext_round(updates)
         fa = FedAttr(AttributionConfig(N=3, M=4, center=center, statistic="paper"))
         rec = fa.attribute_round(1, sa, torch.zeros(d), LinearScorer(s), center=mean)
         scores[center] = [t.z["score"] for t in rec.targets]
@@ -113,3 +119,33 @@ def test_centering_removes_the_common_direction_from_every_score():
         FedAttr(AttributionConfig(N=3, M=4, center=True, statistic="paper")).attribute_round(
             1, sa, torch.zeros(d), LinearScorer(s)
         )
+
+
+def test_calibrated_round_reads_the_sa_mean_only_where_cross_talk_is_not_undone():
+    # Decorrelated rounds (every participant a target) take the common part from the clients'
+    # median, so the round's SA mean is not read; without decorrelation it is the center.
+    K, d = 8, 16
+    gen = torch.Generator().manual_seed(1)
+    updates = {c: torch.randn(d, generator=gen) for c in range(K)}
+    mean = torch.stack(list(updates.values())).mean(0)
+
+    class Counting(LinearScorer):
+        def __init__(self) -> None:
+            super().__init__(torch.ones(d))
+            self.reads: list[torch.Tensor] = []
+
+        def observe(self, params):
+            self.reads.append(params)
+            return super().observe(params)
+
+    reads = {}
+    for decorrelate in (True, False):
+        sa = _plaintext_round(updates)
+        fa = FedAttr(AttributionConfig(N=3, M=4, decorrelate=decorrelate))
+        scorer = Counting()
+        rec = fa.attribute_round(1, sa, torch.zeros(d), scorer, center=mean)
+        assert rec.decorrelated is decorrelate
+        assert rec.models_scored == len(scorer.reads)
+        reads[decorrelate] = scorer.reads
+    assert len(reads[True]) == 1 + K  # the reference and every estimate
+    assert len(reads[False]) == 2 + K and torch.allclose(reads[False][-1], mean)

@@ -155,7 +155,12 @@ def test_null_keys_batched_cached_and_streamed_agree(reading_setup):
     # Keys do not depend on whether the masks are kept: a cache-less copy redraws the same.
     changes = torch.stack([(c - ref).float().reshape(-1) for c in cands])
     cells = changes.shape[1]
-    kept = RandomGreenLists(40, 3, cells, 0.25).sums(changes)
+    kept = RandomGreenLists(40, 3, cells, 0.25)
+    assert kept.sums(changes).shape == (2, 40) and kept._masks[0].dtype == torch.float32
+    as_bools = RandomGreenLists(40, 3, cells, 0.25, cache_bytes=40 * cells)  # too big as floats
+    assert torch.equal(as_bools.sums(changes), kept.sums(changes))
+    assert as_bools._masks[0].dtype == torch.bool
+    kept = kept.sums(changes)
     redrawn = RandomGreenLists(40, 3, cells, 0.25, cache_bytes=0)
     assert torch.allclose(kept, redrawn.sums(changes))
     assert torch.allclose(kept, redrawn.sums(changes))  # and again: the same keys every round

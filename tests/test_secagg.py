@@ -197,7 +197,20 @@ def test_two_server_shares_alone_reveal_nothing():
 def test_config_rejects_unknown_backend_and_prg():
     with pytest.raises(SecAggError, match="allowed: plaintext, pairwise-mask, two-server"):
         SecAggConfig(backend="homomorphic")
-    with pytest.raises(SecAggError, match="allowed: aes-ctr, chacha20"):
+    with pytest.raises(SecAggError, match="allowed: aes-ctr, chacha20, auto"):
         SecAggConfig(prg="rc4")
     assert make_aggregator(SecAggConfig(backend="plaintext")).holds_plaintext
     assert not make_aggregator(SecAggConfig()).holds_plaintext
+
+
+def test_auto_prg_is_aes_on_one_cpu_and_chacha20_on_gpus_and_across_machines(monkeypatch):
+    cpu = SecAggConfig(device="cpu")
+    assert cpu.prg == "auto" and cpu.resolved_prg() == "aes-ctr"
+    assert make_aggregator(cpu).prg == "aes-ctr"
+    assert make_aggregator(SecAggConfig(backend="two-server", device="cpu")).prg == "aes-ctr"
+    # Clients on other machines resolve their own devices: one cipher for every pair.
+    assert cpu.resolved_prg(distributed=True) == "chacha20"
+    assert SecAggConfig(device="cpu", prg="chacha20").resolved_prg() == "chacha20"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert SecAggConfig(device="auto").resolved_prg() == "chacha20"
+    assert SecAggConfig(device="cuda:1").resolved_prg() == "chacha20"

@@ -502,6 +502,18 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
     return 0
 
 
+_PRESET_HELP = "tiny (default, CPU) or smollm2 (GPU)"
+
+
+def _config_options(
+    parser: argparse.ArgumentParser, config_help: str, set_help: str = "override a setting"
+) -> None:
+    """``--config FILE`` and the repeatable ``--set KEY=VALUE`` of every configured command."""
+    parser.add_argument("--config", help=config_help)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"{set_help} (repeatable)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
     p = argparse.ArgumentParser(
@@ -516,16 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
         "demo-protocol",
         help="synthetic end-to-end FedAttr run on plain vectors (the embedded default job)",
     )
-    demo.add_argument(
-        "--config", help="a .json or .toml file with [synthetic], [secagg], [attribution]"
-    )
-    demo.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a setting, e.g. --set attribution.M=10 (repeatable)",
-    )
+    _config_options(demo, "a .json or .toml file with [synthetic], [secagg], [attribution]",
+                    "override a setting, e.g. --set attribution.M=10")  # fmt: skip
     demo.add_argument("--out", help="write results.json, report.md, rounds.jsonl here")
     demo.add_argument("--json", action="store_true", help="print results as JSON")
     demo.add_argument("--quiet", action="store_true", help="no per-round progress lines")
@@ -535,19 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="federated LoRA fine-tuning with watermarked clients (KGW or FK), SA and FedAttr",
     )
-    run.add_argument("--preset", default="tiny", help="tiny (default, CPU) or smollm2 (GPU)")
-    run.add_argument(
-        "--config",
-        help="a .json or .toml file (sections: model, lora, data, "
-        "watermark, fl, secagg, attribution)",
-    )
-    run.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a setting, e.g. --set fl.strategy=flora (repeatable)",
-    )
+    run.add_argument("--preset", default="tiny", help=_PRESET_HELP)
+    _config_options(run, "a .json or .toml file (sections: model, lora, data, watermark, fl, "
+                    "secagg, attribution)", "override a setting, e.g. --set fl.strategy=flora")
     run.add_argument("--out", help="run folder (default: runs/<time>-<strategy>-<model>)")
     run.add_argument(
         "--resume", metavar="RUN_DIR", help="continue an interrupted run after its last round"
@@ -561,11 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
     em = exp_sub.add_parser(
         "main", help="{FedIT, FLoRA} x {KGW, FK} x seeds: FedAttr and the baselines (resumable)"
     )
-    em.add_argument("--preset", default="tiny", help="tiny (default, CPU) or smollm2 (GPU)")
+    em.add_argument("--preset", default="tiny", help=_PRESET_HELP)
     em.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (default 1,2,3)")
     em.add_argument("--out", help="experiment folder (default runs/main-<preset>)")
     mech = exp_sub.add_parser("mechanism", help="Figure 2's four panels from one run")
-    mech.add_argument("--preset", default="tiny", help="tiny (default, CPU) or smollm2 (GPU)")
+    mech.add_argument("--preset", default="tiny", help=_PRESET_HELP)
     mech.add_argument("--strategy", default="fedit", help="fedit (default) or flora")
     mech.add_argument("--watermark", default="kgw", help="kgw (default) or fk")
     mech.add_argument("--seed", type=int, default=1)
@@ -587,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--grid", action="append", default=[], metavar="KEY=v1,v2,...",
                     help="a key and its values (repeatable: the cross product is swept)")
     sw.add_argument("--seeds", default="0", help="seeds: 1,2,3 or 0-4 (default 0)")
-    sw.add_argument("--preset", default="tiny", help="tiny (default, CPU) or smollm2 (GPU)")
+    sw.add_argument("--preset", default="tiny", help=_PRESET_HELP)
     sw.add_argument("--out", help="experiment folder (default runs/sweep-<keys>)")
     sw.set_defaults(func=_cmd_experiment_sweep)
     tb = exp_sub.add_parser(
@@ -597,15 +591,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     tb.add_argument("name", metavar="NAME", help="which table")
     tb.add_argument("--seeds", default="0", help="seeds: 1,2,3 or 0-4 (default 0)")
-    tb.add_argument("--preset", default="tiny", help="tiny (default, CPU) or smollm2 (GPU)")
+    tb.add_argument("--preset", default="tiny", help=_PRESET_HELP)
     tb.add_argument("--out", help="experiment folder (default runs/table-<name>-<preset>)")
     tb.set_defaults(func=_cmd_experiment_table)
     for sp in (em, mech, cal, sw, tb):
-        sp.add_argument("--config", help="a .json or .toml file applied to every run")
-        sp.add_argument(
-            "--set", action="append", default=[], metavar="KEY=VALUE",
-            help="override a setting in every run (repeatable)",
-        )  # fmt: skip
+        _config_options(sp, "a .json or .toml file applied to every run",
+                        "override a setting in every run")  # fmt: skip
     em.set_defaults(func=_cmd_experiment_main)
     mech.set_defaults(func=_cmd_experiment_mechanism)
 
@@ -650,8 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--ring-bits", dest="ring_bits", type=int, default=64, choices=(32, 64))
     bs.add_argument("--frac-bits", dest="frac_bits", type=int, default=32)
     bs.add_argument("--clip", type=float, default=1024.0, help="fixed-point clip bound")
-    bs.add_argument("--prg", default="chacha20", choices=("aes-ctr", "chacha20"),
-                    help="mask generator on the CPU (other devices: chacha20)")
+    bs.add_argument("--prg", default="auto", choices=("auto", "aes-ctr", "chacha20"),
+                    help="mask generator on the CPU (auto: aes-ctr; other devices: chacha20)")
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(func=_cmd_bench_secagg)
     bp = bench_sub.add_parser(
@@ -659,11 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="one run's per-stage time and throughput: teacher documents/s, training tokens/s "
         "and MFU, SA ms/query, models scored/s, FedAttr overhead",
     )
-    bp.add_argument("--preset", default="tiny", help="tiny (default) or smollm2")
+    bp.add_argument("--preset", default="tiny", help=_PRESET_HELP)
     bp.add_argument("--rounds", type=int, help="FL rounds (default: the configuration's)")
-    bp.add_argument("--config", help="a .json or .toml run configuration")
-    bp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a setting (repeatable)")
+    _config_options(bp, "a .json or .toml run configuration")
     bp.add_argument("--out", help="run folder (default runs/bench-pipeline-<preset>)")
     bp.add_argument("--json", action="store_true")
     bp.set_defaults(func=_cmd_bench_pipeline)
@@ -672,13 +661,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the reading detector over one round's candidates: one at a time vs stacked in one "
         "forward pass, FedIT and FLoRA candidates",
     )
-    bsc.add_argument("--preset", default="tiny", help="tiny (default) or smollm2")
+    bsc.add_argument("--preset", default="tiny", help=_PRESET_HELP)
     bsc.add_argument("--candidates", type=int, default=12,
-                     help="models read per round (default 12: reference, K=10 estimates, SA mean)")
+                     help="models read together (default 12: a round's reference, K=10 "
+                     "estimates and SA mean)")  # fmt: skip
     bsc.add_argument("--repeats", type=int, default=2)
-    bsc.add_argument("--config", help="a .json or .toml run configuration")
-    bsc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a setting (repeatable)")
+    _config_options(bsc, "a .json or .toml run configuration")
     bsc.add_argument("--out", help="folder for scoring.md and scoring.json")
     bsc.add_argument("--json", action="store_true")
     bsc.set_defaults(func=_cmd_bench_scoring)
@@ -690,10 +678,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fl.add_argument("--demo", action="store_true", help="the synthetic federation (no LLM)")
     fl.add_argument("--preset", help="tiny (default) or smollm2; LLM runs only")
-    fl.add_argument("--config", help="the same .json/.toml file fedattr run (or --demo: "
-                    "demo-protocol) reads")  # fmt: skip
-    fl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a setting (repeatable)")  # fmt: skip
+    _config_options(fl, "the same .json/.toml file fedattr run (or --demo: demo-protocol) "
+                    "reads")  # fmt: skip
     fl.add_argument("--out", help="run folder (default: runs/<time>-...-flower)")
     fl.add_argument("--timeout", type=float, default=600.0,
                     help="seconds a node has to answer one message (default 600)")  # fmt: skip

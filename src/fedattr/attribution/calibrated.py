@@ -104,10 +104,9 @@ class CalibratedNull:
             return {}
         owners = sorted(stats[0])
         Y = {o: np.array([[s[o][0], *s[o][1]] for s in stats]) for o in owners}
-        full = self.decorrelate and sorted(targets) == sorted(participants)
+        full = self.decorrelates(participants, targets, designs)
         if full:
             A = _design_matrix(designs, targets)
-            full = bool(np.linalg.cond(A) < 1e8)
         self.decorrelated[round_id] = full
         display: dict[int, dict[str, float]] = {t: {} for t in targets}
         for o in owners:
@@ -136,6 +135,16 @@ class CalibratedNull:
                 display[target][o] = z
                 self.per_round.setdefault(target, {}).setdefault(o, {})[round_id] = z
         return display
+
+    def decorrelates(
+        self, participants: Sequence[int], targets: Sequence[int], designs: Sequence[QueryDesign]
+    ) -> bool:
+        """Whether :meth:`add_round` undoes this round's cross-talk (every participant a target
+        and a well-conditioned design); only a round that is not needs its SA mean's (the
+        center's) statistics, so the caller can skip reading that model."""
+        if not (self.decorrelate and targets and sorted(targets) == sorted(participants)):
+            return False
+        return bool(np.linalg.cond(_design_matrix(designs, targets)) < 1e8)
 
     def report(self, truth: Mapping[int, bool] | None = None) -> AttributionReport:
         """Per client: the t statistic and p of its strongest owner, Bonferroni over owners,

@@ -328,7 +328,14 @@ class FedAttr:
             )
         t0 = time.perf_counter()
         # The reference, every candidate and the SA mean: one batched read when the scorer
-        # offers it (else lazily, one candidate's parameters at a time).
+        # offers it (else lazily, one candidate's parameters at a time). The SA mean only
+        # matters where the round's cross-talk cannot be undone: not read otherwise.
+        targets = [e.target for e in estimates.estimates]
+        designs = [e.design for e in estimates.estimates]
+        if center is not None and self.calibrated.decorrelates(
+            estimates.participants, targets, designs
+        ):
+            center = None
         extra = [] if center is None else [center]
         ref_obs, *observed = observe_all(
             scorer, chain([reference], (apply(reference, u) for u in [*updates, *extra]))
@@ -339,10 +346,8 @@ class FedAttr:
         # One pass over the null keys for the whole round (the center's statistics last).
         stats = all_key_statistics(scorer, ref_obs, observed, cfg.null_keys, cfg.seed)
         middle = stats.pop() if center is not None else None
-        targets = [e.target for e in estimates.estimates]
         display = self.calibrated.add_round(
-            estimates.round, estimates.participants, targets,
-            [e.design for e in estimates.estimates], stats, middle,
+            estimates.round, estimates.participants, targets, designs, stats, middle,
         )  # fmt: skip
         each = (time.perf_counter() - t0) / max(1, len(targets))
         record = RoundRecord(

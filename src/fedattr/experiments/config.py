@@ -160,6 +160,7 @@ PRESET_OVERRIDES: dict[str, list[str]] = {
         "watermark.detect_prompts=64",
         "watermark.detect_max_new_tokens=64",
         "watermark.doc_max_new_tokens=256",
+        "watermark.teacher_batch=128",
         "watermark.min_tokens=32",
     ],
 }

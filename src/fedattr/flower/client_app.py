@@ -66,7 +66,9 @@ def _party(cfg: Any, client: int, context: Context) -> MaskingParty:
     sa = cfg.secagg
     own = context.node_config.get("min-members")
     threshold = max(sa.min_members, int(own)) if own is not None else sa.min_members
-    return MaskingParty(client, sa.codec(), sa.prg, threshold, sa.release_budget or None,
+    # Every pair expands its seed on two machines: one cipher for all, whatever the devices.
+    prg = sa.resolved_prg(distributed=True)
+    return MaskingParty(client, sa.codec(), prg, threshold, sa.release_budget or None,
                         sa.torch_device())  # fmt: skip
 
 

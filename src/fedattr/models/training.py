@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .reading import logits_at
 from .text import Example, collate
 
 
@@ -102,16 +103,21 @@ def train(
             for m in range(0, len(batch), settings.micro_batch_size):
                 micro = collate(batch[m : m + settings.micro_batch_size], pad_id)
                 tokens += int(micro["attention_mask"].sum())  # counted on the host: no sync
-                micro = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
-                logits = model(
-                    input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]
-                ).logits
+                # Position t predicts token t + 1: the output layer runs only where a loss is
+                # taken (the response), not on prompts and padding (logits_at).
+                shifted = micro["labels"][:, 1:]
+                scored = (shifted != -100).nonzero()
+                rows = scored[:, 0] * micro["labels"].shape[1] + scored[:, 1]
+                targets = shifted[scored[:, 0], scored[:, 1]]
+                logits = logits_at(
+                    model,
+                    micro["input_ids"].to(device, non_blocking=True),
+                    micro["attention_mask"].to(device, non_blocking=True),
+                    rows.to(device, non_blocking=True),
+                )
                 # Token-weighted loss over the whole batch, however it is split in micro-batches.
                 loss = torch.nn.functional.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                    micro["labels"][:, 1:].reshape(-1),
-                    ignore_index=-100,
-                    reduction="sum",
+                    logits.float(), targets.to(device, non_blocking=True), reduction="sum"
                 ) / max(1, n_tokens)
                 loss.backward()
                 batch_loss += loss.detach()  # read once per step: one device sync, not one each

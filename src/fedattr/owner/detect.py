@@ -38,6 +38,14 @@ class _Pair(torch.nn.Module):
         self.candidate, self.reference = candidate, reference
         self.current = "candidate"
 
+    def get_output_embeddings(self) -> Any:
+        """The output layer of the model read now (so the reader can run it on the scored
+        positions only; the reference's, or the candidate's whose adapter is disabled)."""
+        reading_reference = self.current != "candidate" and self.reference is not None
+        model = self.reference if reading_reference else self.candidate
+        head = getattr(model, "get_output_embeddings", None)
+        return head() if callable(head) else None
+
     def forward(self, **inputs: Any) -> Any:
         if self.current == "candidate":
             return self.candidate(**inputs)

@@ -220,7 +220,7 @@ class PairwiseMaskAggregator(SecureAggregator):
     @classmethod
     def _options(cls, config: SecAggConfig) -> dict:
         return {
-            "prg": config.prg, "dropout": config.dropout, "seed": config.seed,
+            "prg": config.resolved_prg(), "dropout": config.dropout, "seed": config.seed,
             "device": config.torch_device(),
         }  # fmt: skip
 

@@ -92,7 +92,7 @@ class TwoServerAggregator(SecureAggregator):
 
     @classmethod
     def _options(cls, config: SecAggConfig) -> dict:
-        return {"prg": config.prg, "device": config.torch_device()}
+        return {"prg": config.resolved_prg(), "device": config.torch_device()}
 
     def _receive(self, client_id: int, flat) -> None:
         encoded = self.codec.encode(flat, self.device)

@@ -30,6 +30,10 @@ class WatermarkConfig:
     top_p: float = 0.95
     doc_max_new_tokens: int = 96
     min_tokens: int = 8
+    teacher_batch: int = 32
+    """Prompts the teacher samples together (one ``generate`` call): on a GPU a step costs
+    about the same for 32 rows as for 128, so larger batches write documents faster. Sampling
+    draws differ with the batching, so the documents (and results) depend on it."""
     detector: str = "reading"
     """``reading``: fedattr's teacher-forced tests of the change (KGW: ``KGWReadingScorer``;
     FK: ``FKLikelihoodScorer``, rank of the true value among decoys); ``greedy``: the paper's
@@ -99,5 +103,7 @@ class WatermarkConfig:
             raise ValueError(
                 f"watermark.scheme: must be one of {', '.join(SCHEMES)}, got {self.scheme!r}"
             )
+        if self.teacher_batch < 1:
+            raise ValueError(f"watermark.teacher_batch: must be >= 1, got {self.teacher_batch}")
         if self.detect_prompts < 1 or self.detect_max_new_tokens < 1:
             raise ValueError("watermark.detect_prompts and detect_max_new_tokens: must be >= 1")

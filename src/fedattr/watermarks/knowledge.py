@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from scipy.stats import chi2, norm
 
+from ..models.reading import length_batches, logits_at
 from ..models.text import format_prompt, generate
 from .fictitious import FictitiousEntity, qa_probes
 
@@ -204,21 +205,27 @@ class FKLikelihoodScorer:
         self.model.eval()
         device = next(self.model.parameters()).device
         out = torch.empty(len(self._seqs), dtype=torch.float64)
-        for start in range(0, len(self._seqs), self.batch_size):
-            chunk = self._seqs[start : start + self.batch_size]
-            width = max(len(ids) for ids, _ in chunk)
+        for chunk in length_batches([len(ids) for ids, _ in self._seqs], self.batch_size):
+            width = len(self._seqs[chunk[0]][0])  # longest first
             ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            answer = torch.zeros((len(chunk), width), dtype=torch.bool)
-            for i, (seq, first) in enumerate(chunk):
+            rows, targets, owner = [], [], []
+            for i, k in enumerate(chunk):
+                seq, first = self._seqs[k]
+                first = max(first, 1)  # the first token has no prediction
                 ids[i, : len(seq)] = torch.tensor(seq)
                 mask[i, : len(seq)] = 1
-                answer[i, first : len(seq)] = True
-            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            tok = torch.gather(logp, 2, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)
-            # Position t predicts token t + 1: sum over the answer's tokens.
-            out[start : start + len(chunk)] = (tok * answer[:, 1:].to(device)).sum(1).double().cpu()
+                # Position t predicts token t + 1: the answer's tokens first .. len - 1.
+                rows.extend(range(i * width + first - 1, i * width + len(seq) - 1))
+                targets.extend(seq[first:])
+                owner.extend([i] * (len(seq) - first))
+            logits = logits_at(self.model, ids.to(device), mask.to(device),
+                               torch.tensor(rows, device=device))  # fmt: skip
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            tok = logp.gather(1, torch.tensor(targets, device=device).unsqueeze(1)).squeeze(1)
+            sums = torch.zeros(len(chunk), dtype=torch.float64, device=device)
+            sums.index_add_(0, torch.tensor(owner, device=device), tok.double())
+            out[chunk] = sums.cpu()
         if was_training:
             self.model.train()
         return out.reshape(self.shape)

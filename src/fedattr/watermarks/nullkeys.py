@@ -23,14 +23,16 @@ from __future__ import annotations
 import torch
 
 _CHUNK = 16  # keys per generator and per matrix product
-_CACHE_BYTES = 512 << 20  # keep the masks when they fit (bool bytes), else redraw each round
+_CACHE_BYTES = 512 << 20  # keep the masks when they fit, else redraw each round
 
 
 class RandomGreenLists:
     """``n`` random keys' green masks over ``rows x vocab`` (context, token) cells.
 
     :meth:`sums` evaluates ``<change, mask_k>`` for a batch of flat changes and every key ``k``
-    in one pass over the masks (cached when ``n * rows * vocab`` bytes fit ``cache_bytes``).
+    in one pass over the masks. The masks are kept between rounds when they fit
+    ``cache_bytes``: as the float32 the matrix product reads when ``4 n rows vocab`` bytes fit
+    (a round is then only the product), else as bools (converted each round), else redrawn.
     """
 
     def __init__(
@@ -49,7 +51,8 @@ class RandomGreenLists:
         self.cells = cells
         self.gamma = gamma
         self.device = torch.device(device)
-        self._cached = n * cells <= cache_bytes
+        self._dtype = torch.float32 if 4 * n * cells <= cache_bytes else torch.bool
+        self._cached = n * cells * self._dtype.itemsize <= cache_bytes
         self._masks: list[torch.Tensor] = []
 
     def _chunk(self, index: int) -> torch.Tensor:
@@ -61,6 +64,7 @@ class RandomGreenLists:
         gen.manual_seed((self.seed * 1_000_003 + index) % (1 << 63))
         mask = torch.rand((keys, self.cells), generator=gen, device=self.device) < self.gamma
         if self._cached:
+            mask = mask.to(self._dtype)
             self._masks.append(mask)
         return mask
 

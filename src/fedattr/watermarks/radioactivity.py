@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from ..models.reading import length_batches, logits_at
 from ..models.text import Example, collate, generate
 from .kgw import KGWDetector, KGWScheme
 from .nullkeys import RandomGreenLists
@@ -63,6 +65,16 @@ class KGWModelScorer:
     def __call__(self, params: dict) -> dict[str, float]:
         seqs = self.generations(params)
         return {name: det.score(seqs).z for name, det in self.detectors.items()}
+
+
+class _ReadBatch(NamedTuple):
+    """One probe batch of :class:`KGWReadingScorer`: padded ids and mask, the scored
+    positions as flat indices into them, and each scored position's context group."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    rows: torch.Tensor
+    groups: torch.Tensor
 
 
 class KGWReadingScorer:
@@ -116,21 +128,29 @@ class KGWReadingScorer:
         # Read each example's loss positions: position t predicts token t + 1 after ids[t].
         self.examples: list[Example] = []
         self._spans: list[tuple[int, int]] = []
-        prevs: list[int] = []
         for ex in examples:
             scored = [t for t in range(len(ex.input_ids) - 1) if ex.labels[t + 1] != -100]
             if scored:
-                first, end = scored[0], len(ex.input_ids) - 1
                 self.examples.append(ex)
-                self._spans.append((first, end))
-                prevs.extend(ex.input_ids[first:end])
-        if not prevs:
+                self._spans.append((scored[0], len(ex.input_ids) - 1))
+        if not self.examples:
             raise ValueError("KGWReadingScorer: no texts to read (watermark.detect_prompts)")
+        spans = zip(self.examples, self._spans, strict=True)
+        prevs = [x for ex, (a, b) in spans for x in ex.input_ids[a:b]]
         contexts, inverse = torch.unique(torch.tensor(prevs), return_inverse=True)
         self.contexts = contexts
-        # Context-group index of every scored position, per sequence.
-        self._groups = list(torch.split(inverse, [b - a for a, b in self._spans]))
         self.positions = len(prevs)
+        groups = torch.split(inverse, [b - a for a, b in self._spans])
+        # Batches of similar length (less padding), each with its scored positions as flat
+        # indices into the padded batch and their context groups, built once for every read.
+        self._batches: list[_ReadBatch] = []
+        for idx in length_batches([len(ex.input_ids) for ex in self.examples], batch_size):
+            batch = collate([self.examples[i] for i in idx], pad_id)
+            width = batch["input_ids"].shape[1]
+            rows = torch.cat([torch.arange(self._spans[i][0], self._spans[i][1]) + k * width
+                              for k, i in enumerate(idx)])  # fmt: skip
+            self._batches.append(_ReadBatch(batch["input_ids"], batch["attention_mask"], rows,
+                                            torch.cat([groups[i] for i in idx])))  # fmt: skip
         self.green = {
             name: torch.stack([s.green_mask(int(x)) for x in contexts.tolist()])
             for name, s in schemes.items()
@@ -160,8 +180,7 @@ class KGWReadingScorer:
         many = list(many)
         if self.stack is None or len(many) < 2:
             return [self.observe(p) for p in many]
-        width = max(len(ex.input_ids) for ex in self.examples)
-        per_candidate = min(self.batch_size, len(self.examples)) * width * self.vocab * 4
+        per_candidate = max(len(b.rows) for b in self._batches) * self.vocab * 4
         group = max(1, min(len(many), self.pass_bytes // max(1, per_candidate)))
         out: list[torch.Tensor] = []
         for start in range(0, len(many), group):
@@ -179,21 +198,19 @@ class KGWReadingScorer:
             torch.zeros((len(self.contexts), self.vocab), dtype=torch.float32, device=device)
             for _ in range(count)
         ]
-        for start in range(0, len(self.examples), self.batch_size):
-            batch = collate(self.examples[start : start + self.batch_size], self.pad_id)
-            spans = self._spans[start : start + self.batch_size]
-            logits = self.model(
-                input_ids=batch["input_ids"].to(device).repeat(count, 1),
-                attention_mask=batch["attention_mask"].to(device).repeat(count, 1),
-            ).logits
+        for b in self._batches:
+            ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
+            rows = b.rows.to(device)
+            if count > 1:
+                ids, mask = ids.repeat(count, 1), mask.repeat(count, 1)
+                rows = torch.cat([rows + c * b.input_ids.numel() for c in range(count)])
+            logits = logits_at(self.model, ids, mask, rows)
             # Renormalised over the tokenizer's vocabulary (heads may be padded beyond it),
             # so that every row of a change sums to zero.
-            probs = torch.softmax(logits[..., : self.vocab].float(), dim=-1)
-            groups = torch.cat(self._groups[start : start + self.batch_size]).to(device)
-            for c in range(count):
-                block = probs[c * len(spans) : (c + 1) * len(spans)]
-                rows = torch.cat([block[i, a:b] for i, (a, b) in enumerate(spans)])
-                out[c].index_add_(0, groups, rows)
+            probs = torch.softmax(logits[:, : self.vocab].float(), dim=-1)
+            groups = b.groups.to(device)
+            for c, block in enumerate(probs.split(len(b.rows))):
+                out[c].index_add_(0, groups, block)
         if was_training:
             self.model.train()
         return out

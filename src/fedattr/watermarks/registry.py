@@ -83,6 +83,7 @@ class KGW(WatermarkKind):
         docs = watermark_records(
             model, tokenizer, shard[:n], secret, max_new_tokens=wm.doc_max_new_tokens,
             min_tokens=wm.min_tokens, temperature=wm.temperature, top_p=wm.top_p, seed=seed,
+            batch_size=wm.teacher_batch,
         )  # fmt: skip
         return docs, None
 
@@ -116,6 +117,7 @@ class FictitiousKnowledge(WatermarkKind):
             docs = write_fk_documents(
                 model, tokenizer, secret, n, max_new_tokens=wm.doc_max_new_tokens,
                 temperature=wm.temperature, top_p=wm.top_p, seed=seed,
+                batch_size=wm.teacher_batch,
             )  # fmt: skip
         else:
             docs = template_documents(secret, n, seed)

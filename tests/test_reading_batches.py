@@ -1,0 +1,143 @@
+"""Reading fixed texts cheaply: length-sorted batches and logits only at the positions read
+must give what a plain full-logits read of each text gives."""
+
+import pytest
+import torch
+
+from conftest import MICRO_TINY
+from fedattr.data.corpus import generate_corpus
+from fedattr.models.config import ModelConfig, TinyModelConfig
+from fedattr.models.loading import load_model
+from fedattr.models.reading import length_batches, logits_at
+from fedattr.models.text import encode_examples
+from fedattr.watermarks.kgw import KGWScheme
+from fedattr.watermarks.radioactivity import KGWReadingScorer
+
+
+@pytest.fixture(scope="module")
+def micro(tiny_cache):
+    return load_model(
+        ModelConfig(cache_dir=str(tiny_cache), tiny=TinyModelConfig(**MICRO_TINY)), lambda m: None
+    )
+
+
+class _NoHead(torch.nn.Module):
+    """The same model behind a wrapper that does not expose its output layer."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **inputs):
+        return self.inner(**inputs)
+
+
+def test_length_batches_sort_longest_first_and_cover_every_index():
+    lengths = [3, 9, 1, 9, 5, 7, 2]
+    batches = length_batches(lengths, 3)
+    assert batches == [[1, 3, 5], [4, 0, 6], [2]]  # ties keep input order
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert length_batches([], 4) == []
+    with pytest.raises(ValueError, match="batch_size"):
+        length_batches(lengths, 0)
+
+
+def test_logits_at_gives_the_full_pass_rows_with_or_without_a_visible_head(micro):
+    model, tok = micro
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, len(tok), (3, 11), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0  # right padding
+    rows = torch.tensor([0, 5, 12, 17, 30, 32])
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask).logits.reshape(-1, model.config.vocab_size)
+        got = logits_at(model, ids, mask, rows)
+        hidden = logits_at(_NoHead(model), ids, mask, rows)
+    assert got.shape == (len(rows), full.shape[1])
+    assert torch.allclose(got, full[rows], atol=1e-5)
+    assert torch.equal(hidden, full[rows])  # no head to hook: the full pass's rows
+    head = model.get_output_embeddings()
+    assert not head._forward_pre_hooks  # the hook is removed after the pass
+    calls = []
+    head.register_forward_hook(lambda m, a, out: calls.append(a[0].shape))
+    with torch.no_grad():
+        logits_at(model, ids, mask, rows)
+    head._forward_hooks.clear()
+    assert calls == [torch.Size([1, len(rows), model.config.hidden_size])]  # only those rows
+
+
+def _plain_read(model, scorer: KGWReadingScorer) -> torch.Tensor:
+    """A[x] by the definition: each text alone through the model, full softmax, positions
+    after each response token summed per previous token."""
+    out = torch.zeros(len(scorer.contexts), scorer.vocab, dtype=torch.float64)
+    index = {int(x): i for i, x in enumerate(scorer.contexts)}
+    with torch.no_grad():
+        for ex in scorer.examples:
+            ids = torch.tensor([ex.input_ids])
+            probs = torch.softmax(model(input_ids=ids).logits[0, :, : scorer.vocab].double(), -1)
+            for t in range(len(ex.input_ids) - 1):
+                if ex.labels[t + 1] != -100:
+                    out[index[ex.input_ids[t]]] += probs[t]
+    return out
+
+
+def test_reading_scorer_reads_what_each_text_alone_gives(micro):
+    model, tok = micro
+    texts = encode_examples(tok, generate_corpus(30, seed=5), 96)
+    assert len({len(e.input_ids) for e in texts}) > 5  # lengths differ: batches are sorted
+    scorer = KGWReadingScorer(model, texts, {"kgw:a": KGWScheme(3, len(tok))},
+                              lambda m, p: None, pad_id=tok.pad_token_id,
+                              batch_size=7)  # fmt: skip
+    want = _plain_read(model, scorer)
+    got = scorer.observe(None)
+    assert torch.allclose(got.double(), want, atol=1e-4)
+    assert float(got.sum()) == pytest.approx(scorer.positions, rel=1e-5)
+    # A wrapper without a visible output layer reads the same.
+    wrapped = KGWReadingScorer(_NoHead(model), texts, {"kgw:a": KGWScheme(3, len(tok))},
+                               lambda m, p: None, pad_id=tok.pad_token_id)  # fmt: skip
+    assert torch.allclose(wrapped.observe(None), got, atol=1e-5)
+
+
+def test_fk_likelihood_reads_what_each_probe_alone_gives(micro):
+    from fedattr.watermarks.fictitious import make_entities
+    from fedattr.watermarks.knowledge import FKLikelihoodScorer
+
+    model, tok = micro
+    ents = {f"fk:owner{k}": e for k, e in enumerate(make_entities(2, seed=4, decoys=3))}
+    lik = FKLikelihoodScorer(model, tok, ents, lambda m, p: None, questions=2, batch_size=5)
+    got = lik.observe(None).reshape(-1)
+    want = []
+    with torch.no_grad():
+        for seq, first in lik._seqs:
+            logp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0].double(), -1)
+            want.append(sum(float(logp[t - 1, seq[t]]) for t in range(max(first, 1), len(seq))))
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-4)
+
+
+def test_training_loss_on_the_response_only_equals_the_full_logits_loss(tiny_cache):
+    import copy
+
+    from fedattr.models.training import TrainSettings, train
+
+    model, tok = load_model(
+        ModelConfig(cache_dir=str(tiny_cache), tiny=TinyModelConfig(**MICRO_TINY)), lambda m: None
+    )
+    model = copy.deepcopy(model)
+    texts = encode_examples(tok, generate_corpus(8, seed=9), 64)
+    model.eval()  # no dropout: the manual loss below sees the same model
+    with torch.no_grad():
+        total, count = 0.0, 0
+        for ex in texts:
+            logits = model(input_ids=torch.tensor([ex.input_ids])).logits[0, :-1].double()
+            labels = torch.tensor(ex.labels[1:])
+            keep = labels != -100
+            total += float(torch.nn.functional.cross_entropy(logits[keep], labels[keep],
+                                                             reduction="sum"))  # fmt: skip
+            count += int(keep.sum())
+    before = [p.detach().clone() for p in model.parameters()]
+    settings = TrainSettings(batch_size=8, micro_batch_size=4, max_steps=1, lr=1e-3)
+    out = train(model, model.parameters(), texts, settings, tok.pad_token_id)
+    # The one step's loss is the loss before it (no dropout in the micro model's config).
+    assert out["loss"] == pytest.approx(total / count, rel=1e-4)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
