@@ -64,7 +64,32 @@ def test_logits_at_gives_the_full_pass_rows_with_or_without_a_visible_head(micro
     with torch.no_grad():
         logits_at(model, ids, mask, rows)
     head._forward_hooks.clear()
-    assert calls == [torch.Size([1, len(rows), model.config.hidden_size])]  # only those rows
+    assert calls == [torch.Size([len(rows), 1, model.config.hidden_size])]  # only those rows
+
+
+class _Prefixed(torch.nn.Module):
+    """Logits with one extra (virtual-token) position in front: rows of the input no longer
+    index them. ``visible``: whether the output layer shows (the hooked path)."""
+
+    def __init__(self, inner, visible: bool) -> None:
+        super().__init__()
+        self.inner, self.visible = inner, visible
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings() if self.visible else None
+
+    def forward(self, **inputs):
+        out = self.inner(**inputs)
+        out.logits = torch.cat([out.logits[..., :1, :], out.logits], dim=-2)
+        return out
+
+
+@pytest.mark.parametrize("visible", [False, True])
+def test_logits_of_another_shape_are_an_error_not_the_wrong_rows(micro, visible):
+    model, tok = micro
+    ids = torch.randint(3, len(tok), (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), pytest.raises(ValueError, match="logits_at: the model returned"):
+        logits_at(_Prefixed(model, visible), ids, torch.ones_like(ids), torch.tensor([0, 7]))
 
 
 def _plain_read(model, scorer: KGWReadingScorer) -> torch.Tensor:
@@ -141,3 +166,38 @@ def test_training_loss_on_the_response_only_equals_the_full_logits_loss(tiny_cac
     # The one step's loss is the loss before it (no dropout in the micro model's config).
     assert out["loss"] == pytest.approx(total / count, rel=1e-4)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_stacked_read_with_a_lora_output_layer_reads_each_candidate(micro):
+    """A LoRA on the output layer too: the gathered rows reach the stacked head candidate-major
+    and each candidate's read is what loading it alone gives."""
+    import copy
+
+    from fedattr.models.config import LoRAConfig
+    from fedattr.models.lora import (
+        adapter_state,
+        attach_lora,
+        can_stack,
+        load_state,
+        stacked_candidates,
+    )
+
+    model, tok = micro
+    model = attach_lora(copy.deepcopy(model),
+                        LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "lm_head"]),
+                        seed=2)  # fmt: skip
+    assert can_stack(model)
+    gen = torch.Generator().manual_seed(3)
+    state = adapter_state(model)
+    assert any(k.endswith("lm_head.lora_A") for k in state)
+    cands = [{k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+             for _ in range(3)]  # fmt: skip
+    texts = encode_examples(tok, generate_corpus(12, seed=2), 64)
+    schemes = {"kgw:a": KGWScheme(3, len(tok))}
+    one = KGWReadingScorer(model, texts, schemes, load_state, pad_id=tok.pad_token_id,
+                           batch_size=5)  # fmt: skip
+    want = [one.observe(c) for c in cands]
+    many = KGWReadingScorer(model, texts, schemes, load_state, pad_id=tok.pad_token_id,
+                            batch_size=5, stack=stacked_candidates)  # fmt: skip
+    for a, b in zip(many.observe_many(cands), want, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)

@@ -24,18 +24,27 @@ def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     return [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
 
 
+def output_layer(model) -> torch.nn.Module | None:
+    """The module :func:`logits_at` hooks (``get_output_embeddings()``), or ``None``: then a
+    read computes every position's logits."""
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
 def logits_at(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor
 ) -> torch.Tensor:
     """The model's logits at the flat positions ``rows`` (row-major indices into the
     ``[batch, width]`` input), as a ``[len(rows), vocab]`` tensor.
 
-    The output layer (``get_output_embeddings()``) sees only those positions' hidden states, by
-    a forward pre-hook that gathers them; a model without one, or whose output layer does not
-    receive one hidden state per input position, computes every position's logits and the
-    rows are taken from them (the same values).
+    The output layer (:func:`output_layer`) sees only those positions' hidden states, by a
+    forward pre-hook that gathers them (as ``[len(rows), 1, hidden]``: rows stay the leading
+    dimension, as a stacked LoRA head needs); a model without one, or whose output layer does
+    not receive one hidden state per input position, computes every position's logits and the
+    rows are taken from them (the same values). Logits of any other shape are an error, never
+    rows picked from the wrong positions.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_layer(model)
     gathered: list[bool] = []
 
     def gather(_module, args):
@@ -44,7 +53,7 @@ def logits_at(
             return None
         gathered.append(True)
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-        return (flat.unsqueeze(0), *args[1:])
+        return (flat.unsqueeze(1), *args[1:])
 
     handle = head.register_forward_pre_hook(gather) if head is not None else None
     try:
@@ -52,6 +61,14 @@ def logits_at(
     finally:
         if handle is not None:
             handle.remove()
+    expected = (len(rows),) if gathered else tuple(input_ids.shape)
+    got = (logits.shape[:-1].numel(),) if gathered else tuple(logits.shape[:-1])
+    if got != expected:
+        raise ValueError(
+            f"logits_at: the model returned logits of shape {tuple(logits.shape)} for input "
+            f"{tuple(input_ids.shape)}; expected one row per "
+            f"{'gathered position' if gathered else 'input position'}"
+        )
     if gathered:
         return logits.reshape(len(rows), logits.shape[-1])
     return logits.reshape(-1, logits.shape[-1]).index_select(0, rows)

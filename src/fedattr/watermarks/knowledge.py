@@ -219,12 +219,12 @@ class FKLikelihoodScorer:
                 rows.extend(range(i * width + first - 1, i * width + len(seq) - 1))
                 targets.extend(seq[first:])
                 owner.extend([i] * (len(seq) - first))
-            logits = logits_at(self.model, ids.to(device), mask.to(device),
-                               torch.tensor(rows, device=device))  # fmt: skip
+            as_index = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+            logits = logits_at(self.model, ids.to(device), mask.to(device), as_index(rows))
             logp = torch.log_softmax(logits.float(), dim=-1)
-            tok = logp.gather(1, torch.tensor(targets, device=device).unsqueeze(1)).squeeze(1)
+            tok = logp.gather(1, as_index(targets).unsqueeze(1)).squeeze(1)
             sums = torch.zeros(len(chunk), dtype=torch.float64, device=device)
-            sums.index_add_(0, torch.tensor(owner, device=device), tok.double())
+            sums.index_add_(0, as_index(owner), tok.double())
             out[chunk] = sums.cpu()
         if was_training:
             self.model.train()

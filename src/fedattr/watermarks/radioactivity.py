@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..models.reading import length_batches, logits_at
+from ..models.reading import length_batches, logits_at, output_layer
 from ..models.text import Example, collate, generate
 from .kgw import KGWDetector, KGWScheme
 from .nullkeys import RandomGreenLists
@@ -180,7 +180,12 @@ class KGWReadingScorer:
         many = list(many)
         if self.stack is None or len(many) < 2:
             return [self.observe(p) for p in many]
-        per_candidate = max(len(b.rows) for b in self._batches) * self.vocab * 4
+        # Probabilities of the read positions only where the output layer can be hooked,
+        # else of every position of the widest batch.
+        hooked = output_layer(self.model) is not None
+        per_candidate = self.vocab * 4 * max(
+            len(b.rows) if hooked else b.input_ids.numel() for b in self._batches
+        )
         group = max(1, min(len(many), self.pass_bytes // max(1, per_candidate)))
         out: list[torch.Tensor] = []
         for start in range(0, len(many), group):
