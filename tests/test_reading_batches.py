@@ -201,3 +201,42 @@ def test_stacked_read_with_a_lora_output_layer_reads_each_candidate(micro):
                             batch_size=5, stack=stacked_candidates)  # fmt: skip
     for a, b in zip(many.observe_many(cands), want, strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompts_are_read_once_with_the_same_log_probabilities(micro):
+    """Blocks of continuations of one prompt: the prompt's keys and values are computed once
+    and reused; every sum equals reading each sequence whole (a LoRA model, prompts of
+    different lengths, a block whose scoring starts at token 1 so nothing is shared, and a
+    last block shorter than the others)."""
+    import copy
+
+    from fedattr.models.config import LoRAConfig
+    from fedattr.models.lora import adapter_state, attach_lora, load_state
+    from fedattr.models.reading import sequence_logprobs
+
+    model, tok = micro
+    model = attach_lora(copy.deepcopy(model), LoRAConfig(r=4, alpha=8), seed=4)
+    gen = torch.Generator().manual_seed(5)
+    load_state(model, {k: v + 0.1 * torch.randn(v.shape, generator=gen)
+                       for k, v in adapter_state(model).items()})  # fmt: skip
+    model.eval()
+
+    def words(n: int) -> list[int]:
+        return torch.randint(3, len(tok), (n,), generator=gen).tolist()
+
+    seqs = []
+    for prompt_len in (9, 4, 1, 13):
+        prompt = words(prompt_len)
+        for answer_len in (1, 3, 2):
+            seqs.append((prompt + words(answer_len), prompt_len))
+    seqs += [(words(7), 5), (words(6), 0)]  # a last block of two, unrelated
+    with torch.no_grad():
+        shared = sequence_logprobs(model, seqs, tok.pad_token_id, batch_size=4, group=3)
+        whole = sequence_logprobs(model, seqs, tok.pad_token_id, batch_size=4, group=1)
+        want = []
+        for ids, first in seqs:
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+            want.append(sum(float(logp[t - 1, ids[t]]) for t in range(max(first, 1), len(ids))))
+    want = torch.tensor(want, dtype=torch.float64)
+    assert torch.allclose(whole, want, atol=1e-4)
+    assert torch.allclose(shared, want, atol=1e-4)

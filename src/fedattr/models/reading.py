@@ -32,7 +32,11 @@ def output_layer(model) -> torch.nn.Module | None:
 
 
 def logits_at(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    rows: torch.Tensor,
+    **model_inputs,
 ) -> torch.Tensor:
     """The model's logits at the flat positions ``rows`` (row-major indices into the
     ``[batch, width]`` input), as a ``[len(rows), vocab]`` tensor.
@@ -42,7 +46,8 @@ def logits_at(
     dimension, as a stacked LoRA head needs); a model without one, or whose output layer does
     not receive one hidden state per input position, computes every position's logits and the
     rows are taken from them (the same values). Logits of any other shape are an error, never
-    rows picked from the wrong positions.
+    rows picked from the wrong positions. ``model_inputs`` go to the model as they are
+    (``past_key_values``, ``position_ids``).
     """
     head = output_layer(model)
     gathered: list[bool] = []
@@ -57,7 +62,7 @@ def logits_at(
 
     handle = head.register_forward_pre_hook(gather) if head is not None else None
     try:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, **model_inputs).logits
     finally:
         if handle is not None:
             handle.remove()
@@ -72,3 +77,99 @@ def logits_at(
     if gathered:
         return logits.reshape(len(rows), logits.shape[-1])
     return logits.reshape(-1, logits.shape[-1]).index_select(0, rows)
+
+
+def sequence_logprobs(
+    model,
+    seqs: Sequence[tuple[list[int], int]],
+    pad_id: int,
+    batch_size: int,
+    group: int = 1,
+) -> torch.Tensor:
+    """For every ``(ids, first)``: ``sum_{t >= first} log p(ids[t] | ids[:t])`` (float64, on
+    the CPU; ``first`` below 1 counts from 1: the first token has no prediction).
+
+    ``group``: consecutive blocks of that many sequences share a prompt (one question, its
+    candidate answers). Each block's common prefix, up to its earliest scored position, then
+    runs through the model once and its keys and values serve every continuation of the
+    block (``past_key_values``, with explicit positions), instead of once per sequence: the
+    same values up to float rounding. Blocks with no such prefix are read whole.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    out = torch.zeros(len(seqs), dtype=torch.float64)
+    blocks = [list(range(s, min(s + group, len(seqs)))) for s in range(0, len(seqs), group)]
+    prefix = [_common_prefix([seqs[i] for i in b]) if group > 1 else 0 for b in blocks]
+    whole = [i for b, p in zip(blocks, prefix, strict=True) if p == 0 for i in b]
+    for chunk in length_batches([len(seqs[i][0]) for i in whole], batch_size):
+        _score(model, [(seqs[whole[j]], 0) for j in chunk], [whole[j] for j in chunk],
+               pad_id, device, out)  # fmt: skip
+    shared = [k for k, p in enumerate(prefix) if p > 0]
+    for chunk in length_batches([prefix[k] for k in shared], max(1, batch_size // group)):
+        ks = [shared[j] for j in chunk]
+        width = prefix[ks[0]]  # longest first
+        ids = torch.full((len(ks), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ks), width), dtype=torch.long)
+        for g, k in enumerate(ks):
+            ids[g, : prefix[k]] = torch.tensor(seqs[blocks[k][0]][0][: prefix[k]])
+            mask[g, : prefix[k]] = 1
+        cache = DynamicCache()
+        # Only the keys and values are wanted: the output layer runs at one position.
+        logits_at(model, ids.to(device), mask.to(device), torch.zeros(1, dtype=torch.long,
+                  device=device), past_key_values=cache, use_cache=True)  # fmt: skip
+        owner = [g for g, k in enumerate(ks) for _ in blocks[k]]
+        cache.batch_select_indices(torch.tensor(owner, device=device))
+        members = [(seqs[i], prefix[k]) for k in ks for i in blocks[k]]
+        _score(model, members, [i for k in ks for i in blocks[k]], pad_id, device, out,
+               past=(cache, mask[owner]))  # fmt: skip
+    return out
+
+
+def _common_prefix(block: Sequence[tuple[list[int], int]]) -> int:
+    """How many leading tokens every sequence of ``block`` shares, before its earliest scored
+    position's prediction (position ``first - 1`` must be computed with the continuation)."""
+    first = min(max(f, 1) for _, f in block)
+    n, ids = 0, [s for s, _ in block]
+    while n < first - 1 and all(len(s) > n and s[n] == ids[0][n] for s in ids):
+        n += 1
+    return n
+
+
+def _score(
+    model,
+    members: Sequence[tuple[tuple[list[int], int], int]],
+    index: Sequence[int],
+    pad_id: int,
+    device: torch.device,
+    out: torch.Tensor,
+    past: tuple | None = None,
+) -> None:
+    """``out[index[r]]``: the scored log-probability sum of ``members[r] = ((ids, first),
+    skip)``, whose first ``skip`` tokens are already in ``past = (cache, prefix mask)``."""
+    width = max(len(ids) - skip for (ids, _), skip in members)
+    ids_t = torch.full((len(members), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(members), width), dtype=torch.long)
+    rows, targets, owner = [], [], []
+    for r, ((ids, first), skip) in enumerate(members):
+        first = max(first, 1)
+        ids_t[r, : len(ids) - skip] = torch.tensor(ids[skip:])
+        mask[r, : len(ids) - skip] = 1
+        # Position t predicts token t + 1: the scored tokens first .. len - 1.
+        rows.extend(range(r * width + first - 1 - skip, r * width + len(ids) - 1 - skip))
+        targets.extend(ids[first:])
+        owner.extend([r] * (len(ids) - first))
+    inputs = {}
+    if past is not None:
+        cache, prefix_mask = past
+        skips = torch.tensor([skip for _, skip in members])
+        inputs = {"past_key_values": cache,
+                  "position_ids": (skips[:, None] + torch.arange(width)).to(device)}  # fmt: skip
+        mask = torch.cat([prefix_mask, mask], dim=1)
+    as_index = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    logits = logits_at(model, ids_t.to(device), mask.to(device), as_index(rows), **inputs)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    tok = logp.gather(1, as_index(targets).unsqueeze(1)).squeeze(1)
+    sums = torch.zeros(len(members), dtype=torch.float64, device=device)
+    sums.index_add_(0, as_index(owner), tok.double())
+    out[list(index)] = sums.cpu()

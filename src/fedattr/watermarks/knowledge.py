@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from scipy.stats import chi2, norm
 
-from ..models.reading import length_batches, logits_at
+from ..models.reading import sequence_logprobs
 from ..models.text import format_prompt, generate
 from .fictitious import FictitiousEntity, qa_probes
 
@@ -203,29 +203,9 @@ class FKLikelihoodScorer:
         self.load(self.model, params)
         was_training = self.model.training
         self.model.eval()
-        device = next(self.model.parameters()).device
-        out = torch.empty(len(self._seqs), dtype=torch.float64)
-        for chunk in length_batches([len(ids) for ids, _ in self._seqs], self.batch_size):
-            width = len(self._seqs[chunk[0]][0])  # longest first
-            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            rows, targets, owner = [], [], []
-            for i, k in enumerate(chunk):
-                seq, first = self._seqs[k]
-                first = max(first, 1)  # the first token has no prediction
-                ids[i, : len(seq)] = torch.tensor(seq)
-                mask[i, : len(seq)] = 1
-                # Position t predicts token t + 1: the answer's tokens first .. len - 1.
-                rows.extend(range(i * width + first - 1, i * width + len(seq) - 1))
-                targets.extend(seq[first:])
-                owner.extend([i] * (len(seq) - first))
-            as_index = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-            logits = logits_at(self.model, ids.to(device), mask.to(device), as_index(rows))
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            tok = logp.gather(1, as_index(targets).unsqueeze(1)).squeeze(1)
-            sums = torch.zeros(len(chunk), dtype=torch.float64, device=device)
-            sums.index_add_(0, as_index(owner), tok.double())
-            out[chunk] = sums.cpu()
+        # Every question's candidate values share its prompt: read it once per question.
+        out = sequence_logprobs(self.model, self._seqs, self.pad_id, self.batch_size,
+                                group=self.candidates)  # fmt: skip
         if was_training:
             self.model.train()
         return out.reshape(self.shape)
