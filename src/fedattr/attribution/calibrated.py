@@ -104,9 +104,8 @@ class CalibratedNull:
             return {}
         owners = sorted(stats[0])
         Y = {o: np.array([[s[o][0], *s[o][1]] for s in stats]) for o in owners}
-        full = self.decorrelates(participants, targets, designs)
-        if full:
-            A = _design_matrix(designs, targets)
+        A = self._cross_talk(participants, targets, designs)
+        full = A is not None
         self.decorrelated[round_id] = full
         display: dict[int, dict[str, float]] = {t: {} for t in targets}
         for o in owners:
@@ -142,9 +141,16 @@ class CalibratedNull:
         """Whether :meth:`add_round` undoes this round's cross-talk (every participant a target
         and a well-conditioned design); only a round that is not needs its SA mean's (the
         center's) statistics, so the caller can skip reading that model."""
+        return self._cross_talk(participants, targets, designs) is not None
+
+    def _cross_talk(
+        self, participants: Sequence[int], targets: Sequence[int], designs: Sequence[QueryDesign]
+    ) -> np.ndarray | None:
+        """The round's design matrix where its cross-talk is undone, else ``None``."""
         if not (self.decorrelate and targets and sorted(targets) == sorted(participants)):
-            return False
-        return bool(np.linalg.cond(_design_matrix(designs, targets)) < 1e8)
+            return None
+        A = _design_matrix(designs, targets)
+        return A if np.linalg.cond(A) < 1e8 else None
 
     def report(self, truth: Mapping[int, bool] | None = None) -> AttributionReport:
         """Per client: the t statistic and p of its strongest owner, Bonferroni over owners,

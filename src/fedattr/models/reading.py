@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .text import padded
+
 
 def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     """Indices of ``lengths`` sorted longest first (ties in input order) and cut into batches
@@ -108,12 +110,7 @@ def sequence_logprobs(
     shared = [k for k, p in enumerate(prefix) if p > 0]
     for chunk in length_batches([prefix[k] for k in shared], max(1, batch_size // group)):
         ks = [shared[j] for j in chunk]
-        width = prefix[ks[0]]  # longest first
-        ids = torch.full((len(ks), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(ks), width), dtype=torch.long)
-        for g, k in enumerate(ks):
-            ids[g, : prefix[k]] = torch.tensor(seqs[blocks[k][0]][0][: prefix[k]])
-            mask[g, : prefix[k]] = 1
+        ids, mask = padded([seqs[blocks[k][0]][0][: prefix[k]] for k in ks], pad_id)
         cache = DynamicCache()
         # Only the keys and values are wanted: the output layer runs at one position.
         logits_at(model, ids.to(device), mask.to(device), torch.zeros(1, dtype=torch.long,
@@ -147,14 +144,11 @@ def _score(
 ) -> None:
     """``out[index[r]]``: the scored log-probability sum of ``members[r] = ((ids, first),
     skip)``, whose first ``skip`` tokens are already in ``past = (cache, prefix mask)``."""
-    width = max(len(ids) - skip for (ids, _), skip in members)
-    ids_t = torch.full((len(members), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(members), width), dtype=torch.long)
+    ids_t, mask = padded([ids[skip:] for (ids, _), skip in members], pad_id)
+    width = ids_t.shape[1]
     rows, targets, owner = [], [], []
     for r, ((ids, first), skip) in enumerate(members):
         first = max(first, 1)
-        ids_t[r, : len(ids) - skip] = torch.tensor(ids[skip:])
-        mask[r, : len(ids) - skip] = 1
         # Position t predicts token t + 1: the scored tokens first .. len - 1.
         rows.extend(range(r * width + first - 1 - skip, r * width + len(ids) - 1 - skip))
         targets.extend(ids[first:])

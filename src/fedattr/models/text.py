@@ -45,17 +45,22 @@ def encode_examples(
     return out
 
 
+def padded(rows: Sequence[Sequence[int]], fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` right-padded with ``fill`` to the longest, and the mask of real entries (both
+    ``[len(rows), width]`` long tensors)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), fill, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
 def collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded batch tensors."""
-    width = max(len(e.input_ids) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e.input_ids)
-        ids[i, :n] = torch.tensor(e.input_ids)
-        labels[i, :n] = torch.tensor(e.labels)
-        mask[i, :n] = 1
+    ids, mask = padded([e.input_ids for e in examples], pad_id)
+    labels, _ = padded([e.labels for e in examples], -100)
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 

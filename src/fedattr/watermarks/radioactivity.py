@@ -120,34 +120,32 @@ class KGWReadingScorer:
             raise ValueError("KGWReadingScorer: all owner keys must share one vocabulary size")
         self.model = model
         self.load = load
-        self.pad_id = pad_id
-        self.batch_size = batch_size
         self.stack = stack
         self.pass_bytes = pass_bytes
         self.vocab = vocabs.pop()
         # Read each example's loss positions: position t predicts token t + 1 after ids[t].
         self.examples: list[Example] = []
-        self._spans: list[tuple[int, int]] = []
+        spans: list[tuple[int, int]] = []
         for ex in examples:
             scored = [t for t in range(len(ex.input_ids) - 1) if ex.labels[t + 1] != -100]
             if scored:
                 self.examples.append(ex)
-                self._spans.append((scored[0], len(ex.input_ids) - 1))
+                spans.append((scored[0], len(ex.input_ids) - 1))
         if not self.examples:
             raise ValueError("KGWReadingScorer: no texts to read (watermark.detect_prompts)")
-        spans = zip(self.examples, self._spans, strict=True)
-        prevs = [x for ex, (a, b) in spans for x in ex.input_ids[a:b]]
+        pairs = zip(self.examples, spans, strict=True)
+        prevs = [x for ex, (a, b) in pairs for x in ex.input_ids[a:b]]
         contexts, inverse = torch.unique(torch.tensor(prevs), return_inverse=True)
         self.contexts = contexts
         self.positions = len(prevs)
-        groups = torch.split(inverse, [b - a for a, b in self._spans])
+        groups = torch.split(inverse, [b - a for a, b in spans])
         # Batches of similar length (less padding), each with its scored positions as flat
         # indices into the padded batch and their context groups, built once for every read.
         self._batches: list[_ReadBatch] = []
         for idx in length_batches([len(ex.input_ids) for ex in self.examples], batch_size):
             batch = collate([self.examples[i] for i in idx], pad_id)
             width = batch["input_ids"].shape[1]
-            rows = torch.cat([torch.arange(self._spans[i][0], self._spans[i][1]) + k * width
+            rows = torch.cat([torch.arange(spans[i][0], spans[i][1]) + k * width
                               for k, i in enumerate(idx)])  # fmt: skip
             self._batches.append(_ReadBatch(batch["input_ids"], batch["attention_mask"], rows,
                                             torch.cat([groups[i] for i in idx])))  # fmt: skip
