@@ -45,6 +45,14 @@ def test_alpaca_json_jsonl_and_chat(tmp_path):
     assert len(load_records(str(tmp_path / "a.json"), limit=1)) == 1
 
 
+def test_jsonl_rows_may_hold_unicode_line_separators(tmp_path):
+    row = {"instruction": "Say\u2028it", "input": "", "output": "a\u2029b\x85c"}
+    line = json.dumps(row, ensure_ascii=False) + "\r\n"
+    (tmp_path / "u.jsonl").write_text(line, encoding="utf-8")
+    (rec,) = load_records(str(tmp_path / "u.jsonl"))
+    assert (rec.instruction, rec.output) == ("Say\u2028it", "a\u2029b\x85c")
+
+
 def test_loader_errors_are_clear(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         load_records(str(tmp_path / "missing.json"))

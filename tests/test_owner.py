@@ -12,7 +12,7 @@ import torch
 from conftest import MICRO_TINY
 from fedattr.cli import main
 from fedattr.errors import UserError
-from fedattr.owner.corpus import fk_documents, read_rows, watermark_kgw
+from fedattr.owner.corpus import fk_documents, read_rows, watermark_kgw, write_rows
 from fedattr.watermarks.keys import KeyFileError, generate_key, load_key, save_key
 
 
@@ -44,6 +44,18 @@ def _corpus(tmp_path, n=12, chat=False):
     path = tmp_path / ("chat.jsonl" if chat else "corpus.jsonl")
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def test_a_response_holding_unicode_line_separators_survives_jsonl(tmp_path):
+    # A model can generate U+2028/U+2029/U+0085; JSON leaves them unescaped with
+    # ensure_ascii=False, so a reader splitting with str.splitlines cut the row in two.
+    text = "one\u2028two\u2029three\x85four\x1cfive"
+    chat = [{"role": "user", "content": "Q\u2028?"}, {"role": "assistant", "content": text}]
+    rows = [{"instruction": "Say", "input": "", "output": text}, {"messages": chat}]
+    out = tmp_path / "wm.jsonl"
+    write_rows(out, rows, jsonl=True)
+    assert "\u2028" in out.read_text(encoding="utf-8")  # written raw, the case that broke
+    assert read_rows(out) == rows
 
 
 def test_key_files_are_secret_and_checked(tmp_path):

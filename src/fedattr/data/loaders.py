@@ -46,10 +46,19 @@ def record_from_mapping(row: Mapping[str, Any], where: str = "row") -> Record:
     )
 
 
+def json_lines(text: str) -> list[str]:
+    """The lines of a JSON Lines text, split at ``\n`` only.
+
+    ``str.splitlines`` also splits at U+2028, U+2029 and U+0085, which ``json.dumps(...,
+    ensure_ascii=False)`` leaves unescaped inside strings: a generated response holding one
+    would be cut in two."""
+    return [line.rstrip("\r") for line in text.split("\n")]
+
+
 def _rows_from_file(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        for i, line in enumerate(text.splitlines(), start=1):
+        for i, line in enumerate(json_lines(text), start=1):
             if line.strip():
                 try:
                     yield f"{path}:{i}", json.loads(line)

@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..data.loaders import DataError, record_from_mapping
+from ..data.loaders import DataError, json_lines, record_from_mapping
 from ..data.records import Record
 from ..errors import UserError
 from ..watermarks.keys import OwnerKey
@@ -37,7 +37,7 @@ def read_rows(path: str | Path) -> list[dict]:
     text = p.read_text(encoding="utf-8")
     try:
         if p.suffix == ".jsonl":
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+            rows = [json.loads(line) for line in json_lines(text) if line.strip()]
         else:
             rows = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -86,7 +86,7 @@ def _progress(path: Path, header: dict) -> tuple[dict[int, dict | None], int]:
     if not path.is_file():
         path.write_text(json.dumps({"header": header}) + "\n")
         return done, 0
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = json_lines(path.read_text(encoding="utf-8"))
     try:
         saved = json.loads(lines[0])["header"]
     except (IndexError, KeyError, json.JSONDecodeError):
@@ -99,6 +99,8 @@ def _progress(path: Path, header: dict) -> tuple[dict[int, dict | None], int]:
         )
     chunks = 0
     for line in lines[1:]:
+        if not line.strip():
+            continue
         try:
             entry = json.loads(line)
         except json.JSONDecodeError:

@@ -205,7 +205,8 @@ class RunFolder:
 
     def read_rounds(self) -> list[dict]:
         """``rounds.jsonl`` as dicts."""
-        return [json.loads(line) for line in self.file(ROUNDS).read_text().splitlines() if line]
+        text = self.file(ROUNDS).read_text(encoding="utf-8")  # split at \n: not at U+2028
+        return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 def audit_run(run_dir: str | Path) -> list[RoundAudit]:
