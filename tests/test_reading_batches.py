@@ -240,3 +240,62 @@ def test_shared_prompts_are_read_once_with_the_same_log_probabilities(micro):
     want = torch.tensor(want, dtype=torch.float64)
     assert torch.allclose(whole, want, atol=1e-4)
     assert torch.allclose(shared, want, atol=1e-4)
+
+
+def test_folded_adapters_read_what_the_adapters_give_and_restore_the_model(micro):
+    """Inside ``folded_adapters`` each adapted module is one linear with W + s·B·A: the same
+    logits up to float rounding; afterwards every weight is back bit for bit. A tied output
+    layer (micro ties lm_head to the embeddings) stays unfolded, or the inputs would change."""
+    import copy
+
+    from fedattr.models.config import LoRAConfig
+    from fedattr.models.lora import (
+        adapter_state,
+        attach_lora,
+        folded_adapters,
+        load_state,
+        lora_layers,
+    )
+
+    model, tok = micro
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
+    model = attach_lora(copy.deepcopy(model), LoRAConfig(r=8, alpha=16, target_modules=targets),
+                        seed=1)  # fmt: skip
+    gen = torch.Generator().manual_seed(6)
+    load_state(model, {k: v + 0.1 * torch.randn(v.shape, generator=gen)
+                       for k, v in adapter_state(model).items()})  # fmt: skip
+    model.eval()
+    layers = lora_layers(model)
+    head = next(name for name in layers if name.endswith("lm_head"))
+    assert layers[head].base_layer.weight is model.get_input_embeddings().weight  # tied
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(3, len(tok), (2, 9), generator=gen)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        with folded_adapters(model) as folded:
+            got = model(input_ids=ids).logits
+            assert folded
+            changed = [n for n, layer in layers.items()
+                       if not torch.equal(layer.base_layer.weight, before[_base_key(model, n)])]
+            assert sorted(changed) == sorted(n for n in layers if n != head)  # fmt: skip
+        after = model(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4) and not torch.equal(got, want)
+    assert torch.equal(after, want)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any("forward" in vars(layer) for layer in layers.values())
+    # Not folded: with autograd on (training), or in bf16 (would round the change away).
+    with folded_adapters(model) as folded:
+        assert not folded
+    with torch.no_grad(), folded_adapters(copy.deepcopy(model).to(torch.bfloat16)) as folded:
+        assert not folded
+    # An error inside still restores the model.
+    with pytest.raises(RuntimeError, match="stop"), torch.no_grad(), folded_adapters(model):
+        raise RuntimeError("stop")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any("forward" in vars(layer) for layer in layers.values())
+
+
+def _base_key(model, layer_name: str) -> str:
+    """The state-dict key of an adapted layer's base weight."""
+    key = f"{layer_name}.base_layer.weight"
+    return key if key in model.state_dict() else f"{layer_name}.weight"

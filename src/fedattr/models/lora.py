@@ -128,6 +128,49 @@ def candidate_stacker(peft_model):
     return stacked_candidates if device.type != "cpu" and can_stack(peft_model) else None
 
 
+@contextmanager
+def folded_adapters(model) -> Iterator[bool]:
+    """Evaluation only: inside the block every adapted module runs as one linear layer with
+    ``W + scaling * B @ A`` (its weight restored bit for bit after). Yields whether it folded.
+
+    An unfolded LoRA module costs ``1 + 2r/d`` times its base matmul per token (twice at the
+    embedded default's r = 64, d = 128); folded, one matmul. Folds only where that is exact
+    enough and safe: float32 weights (in bf16, ``W + B @ A`` would round away a change below
+    W's resolution, which is the differential signal itself), plain linear LoRA layers
+    (:func:`can_stack`), and no autograd (training needs the factors' gradients). A module
+    whose weight is tied to another (an output layer sharing the embeddings) stays unfolded.
+    """
+    layers = lora_layers(model)
+    if (
+        torch.is_grad_enabled()
+        or not can_stack(model)
+        or any(layer.base_layer.weight.dtype != torch.float32 for layer in layers.values())
+    ):
+        yield False
+        return
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    saved: list[tuple[torch.nn.Module, torch.Tensor]] = []
+    try:
+        for layer in layers.values():
+            weight = layer.base_layer.weight
+            if uses.get(id(weight), 0) > 1:
+                continue  # tied (an lm_head sharing the embeddings): folding would change both
+            saved.append((layer, weight.detach().clone()))
+            b = layer.lora_B["default"].weight
+            if b.any():  # FLoRA's reset adapters (B = 0) add nothing
+                weight.add_(b @ layer.lora_A["default"].weight, alpha=layer.scaling["default"])
+            layer.forward = layer.base_layer.forward
+        yield True
+    finally:
+        for layer, weight in saved:
+            with torch.no_grad():
+                layer.base_layer.weight.copy_(weight)
+            if "forward" in vars(layer):
+                del layer.forward  # back to the class's forward
+
+
 def _candidate_tensor(
     states: Sequence[dict[str, torch.Tensor]], key: str, current: torch.Tensor
 ) -> torch.Tensor | None:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from scipy.stats import chi2, norm
 
+from ..models.lora import folded_adapters
 from ..models.reading import sequence_logprobs
 from ..models.text import format_prompt, generate
 from .fictitious import FictitiousEntity, qa_probes
@@ -204,8 +205,9 @@ class FKLikelihoodScorer:
         was_training = self.model.training
         self.model.eval()
         # Every question's candidate values share its prompt: read it once per question.
-        out = sequence_logprobs(self.model, self._seqs, self.pad_id, self.batch_size,
-                                group=self.candidates)  # fmt: skip
+        with folded_adapters(self.model):
+            out = sequence_logprobs(self.model, self._seqs, self.pad_id, self.batch_size,
+                                    group=self.candidates)  # fmt: skip
         if was_training:
             self.model.train()
         return out.reshape(self.shape)

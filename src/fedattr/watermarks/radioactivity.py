@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from ..models.lora import folded_adapters
 from ..models.reading import length_batches, logits_at, output_layer
 from ..models.text import Example, collate, generate
 from .kgw import KGWDetector, KGWScheme
@@ -201,19 +202,21 @@ class KGWReadingScorer:
             torch.zeros((len(self.contexts), self.vocab), dtype=torch.float32, device=device)
             for _ in range(count)
         ]
-        for b in self._batches:
-            ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
-            rows = b.rows.to(device)
-            if count > 1:
-                ids, mask = ids.repeat(count, 1), mask.repeat(count, 1)
-                rows = torch.cat([rows + c * b.input_ids.numel() for c in range(count)])
-            logits = logits_at(self.model, ids, mask, rows)
-            # Renormalised over the tokenizer's vocabulary (heads may be padded beyond it),
-            # so that every row of a change sums to zero.
-            probs = torch.softmax(logits[:, : self.vocab].float(), dim=-1)
-            groups = b.groups.to(device)
-            for c, block in enumerate(probs.split(len(b.rows))):
-                out[c].index_add_(0, groups, block)
+        # One candidate at a time: its LoRA factors folded into the weights for the read.
+        with folded_adapters(self.model) if count == 1 else nullcontext():
+            for b in self._batches:
+                ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
+                rows = b.rows.to(device)
+                if count > 1:
+                    ids, mask = ids.repeat(count, 1), mask.repeat(count, 1)
+                    rows = torch.cat([rows + c * b.input_ids.numel() for c in range(count)])
+                logits = logits_at(self.model, ids, mask, rows)
+                # Renormalised over the tokenizer's vocabulary (heads may be padded beyond
+                # it), so that every row of a change sums to zero.
+                probs = torch.softmax(logits[:, : self.vocab].float(), dim=-1)
+                groups = b.groups.to(device)
+                for c, block in enumerate(probs.split(len(b.rows))):
+                    out[c].index_add_(0, groups, block)
         if was_training:
             self.model.train()
         return out
