@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..attribution.audit import RoundAudit, audit_file
+from ..data.loaders import json_lines
 from ..errors import UserError
 
 CONFIG = "config.json"
@@ -205,8 +206,8 @@ class RunFolder:
 
     def read_rounds(self) -> list[dict]:
         """``rounds.jsonl`` as dicts."""
-        text = self.file(ROUNDS).read_text(encoding="utf-8")  # split at \n: not at U+2028
-        return [json.loads(line) for line in text.split("\n") if line.strip()]
+        lines = json_lines(self.file(ROUNDS).read_text(encoding="utf-8"))
+        return [json.loads(line) for line in lines if line.strip()]
 
 
 def audit_run(run_dir: str | Path) -> list[RoundAudit]:
