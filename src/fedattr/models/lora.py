@@ -122,7 +122,8 @@ def candidate_stacker(peft_model):
     It pays on an accelerator, where one candidate's probe batch leaves most of the device
     idle. On the CPU the forward pass is compute-bound already at one candidate per batch
     (measured 0.64-0.82x on the embedded default's model while every position's probabilities
-    were computed, 0.93-1.01x since only the read positions' are).
+    were computed, 0.93-1.01x once only the read positions' were, 0.75x against one-at-a-time
+    reads with :func:`folded_adapters`, which a stacked pass cannot use).
     """
     device = next(peft_model.parameters()).device
     return stacked_candidates if device.type != "cpu" and can_stack(peft_model) else None
