@@ -136,8 +136,9 @@ def folded_adapters(model) -> Iterator[bool]:
 
     An unfolded LoRA module costs ``1 + 2r/d`` times its base matmul per token (twice at the
     embedded default's r = 64, d = 128); folded, one matmul. Folds only where that is exact
-    enough and safe: float32 weights (in bf16, ``W + B @ A`` would round away a change below
-    W's resolution, which is the differential signal itself), plain linear LoRA layers
+    enough and safe: float32 weights (a precaution: in bf16, ``W + B @ A`` could round away a
+    change far below W's resolution, the differential signal itself; on the embedded default
+    it moved the contrasts no more than bf16 reads do, see the README), plain linear LoRA layers
     (:func:`can_stack`), and no autograd (training needs the factors' gradients). A module
     whose weight is tied to another (an output layer sharing the embeddings) stays unfolded.
     """
