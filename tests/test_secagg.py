@@ -12,7 +12,7 @@ from fedattr.secagg import (
     TwoServerAggregator,
     make_aggregator,
 )
-from fedattr.secagg.pairwise_mask import pair_seed
+from fedattr.secagg.pairwise_mask import PairwiseMaskServer, pair_seed
 from fedattr.secagg.prg import expand
 
 
@@ -214,3 +214,32 @@ def test_auto_prg_is_aes_on_one_cpu_and_chacha20_on_gpus_and_across_machines(mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert SecAggConfig(device="auto").resolved_prg() == "chacha20"
     assert SecAggConfig(device="cuda:1").resolved_prg() == "chacha20"
+
+
+@pytest.mark.parametrize(("threads", "workers"), [(None, 1), (2, 2), (3, 3), (4, 9)])
+def test_server_sums_every_upload_once_whatever_its_threads(threads, workers):
+    from concurrent.futures import ThreadPoolExecutor
+
+    members = (3, 5, 8, 11, 12)
+    top = np.iinfo(np.int64)
+    gen = np.random.default_rng(4)
+    uploads = {j: torch.from_numpy(gen.integers(top.min, top.max, 1000, dtype=np.int64,
+                                                endpoint=True)) for j in members}  # fmt: skip
+    asked, recycled = [], []
+
+    def collect(j, round_id, query_id, who, keys):
+        assert (round_id, query_id, who) == (2, 7, members)
+        asked.append(j)
+        return uploads[j].clone()
+
+    pool = None if threads is None else ThreadPoolExecutor(threads)
+    server = PairwiseMaskServer()
+    total, moved = server.run_query(2, 7, members, collect, pool=pool, workers=workers,
+                                    recycle=recycled.append)  # fmt: skip
+    want = np.zeros(1000, dtype=np.int64)
+    for y in uploads.values():
+        want = want + y.numpy()  # wrapping int64: the ring Z_2^64
+    assert sorted(asked) == list(members)  # each member asked once
+    assert np.array_equal(total.numpy(), want)
+    assert moved == 5 * 1000 * 8
+    assert len(recycled) == 4 and all(r is not total for r in recycled)

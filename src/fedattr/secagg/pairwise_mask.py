@@ -21,8 +21,8 @@ are the clients' machines, which alone hold their updates and private keys.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -145,31 +145,29 @@ class PairwiseMaskServer:
         query_id: int,
         members: tuple[int, ...],
         collect: Callable[..., torch.Tensor],
+        pool: ThreadPoolExecutor | None = None,
         workers: int = 1,
         recycle: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Announce the query, collect every member's masked upload, return their ring sum.
 
-        Members are separate machines that mask at the same time: ``workers`` of them compute
-        their uploads concurrently (besides the sum, at most that many uploads plus the one
-        being added are held; the ring sum is exact, so the order does not matter);
-        ``recycle`` gets each upload back once it is in the sum. The server never sees
+        Members are separate machines that mask at the same time: ``workers`` threads of
+        ``pool`` (or the caller alone) each take the next member's upload and add it into
+        their own partial sum (the ring sum is exact, so order and grouping do not matter);
+        the partial sums are added at the end. At most two vectors per thread are held.
+        ``recycle`` gets each upload back once it is in a sum. The server never sees
         coefficients applied: each member scales its own input."""
-        total: torch.Tensor | None = None
-        moved = 0
+        waiting = iter(members)
+        lock = threading.Lock()
 
-        def fetch(j: int) -> torch.Tensor:
-            return collect(j, round_id, query_id, members, self.public_keys)
+        def next_member() -> int | None:
+            with lock:
+                return next(waiting, None)
 
-        workers = max(1, min(workers, len(members)))
-        with ThreadPoolExecutor(workers) as pool:
-            pending = deque(pool.submit(fetch, j) for j in members[:workers])
-            waiting = iter(members[workers:])
-            while pending:
-                y = pending.popleft().result()
-                for j in waiting:  # keep every worker busy while the sum grows
-                    pending.append(pool.submit(fetch, j))
-                    break
+        def sum_some(_: int = 0) -> tuple[torch.Tensor | None, int]:
+            total, moved = None, 0
+            while (j := next_member()) is not None:
+                y = collect(j, round_id, query_id, members, self.public_keys)
                 moved += y.numel() * y.element_size()
                 if total is None:
                     total = y
@@ -177,9 +175,19 @@ class PairwiseMaskServer:
                     _ring_add(total, y)
                     if recycle is not None:
                         recycle(y)
-                del y
-        assert total is not None
-        return total, moved
+            return total, moved
+
+        workers = 1 if pool is None else max(1, min(workers, len(members)))
+        parts = [sum_some()] if workers == 1 else list(pool.map(sum_some, range(workers)))
+        sums = [(total, moved) for total, moved in parts if total is not None]
+        if not sums:
+            raise SecAggError("run_query: a query needs at least one member")
+        total = sums[0][0]
+        for partial, _ in sums[1:]:
+            _ring_add(total, partial)
+            if recycle is not None:
+                recycle(partial)
+        return total, sum(moved for _, moved in sums)
 
 
 class PairwiseMaskAggregator(SecureAggregator):
@@ -216,6 +224,8 @@ class PairwiseMaskAggregator(SecureAggregator):
         # The release policy lives with the clients: each member consults the same record of
         # what this round has released (a client-side ledger), not the server.
         self._client_policy = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_workers = 0
 
     @classmethod
     def _options(cls, config: SecAggConfig) -> dict:
@@ -277,13 +287,19 @@ class PairwiseMaskAggregator(SecureAggregator):
             )
         self._client_seconds = []
         self._coefs = dict(zip(members, coefs, strict=True))
-        # The cipher releases the GIL, so the members' masking runs on every core torch may use.
+        # The cipher releases the GIL, so the members' masking runs on every core torch may use
+        # (threads kept between queries: starting them cost about 1 ms a query).
+        workers = torch.get_num_threads()
+        if workers > 1 and self._pool_workers != workers:
+            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="fedattr-sa")
+            self._pool_workers = workers
         ring_sum, moved = self.server.run_query(
             self.round,
             query_id,
             members,
             self._collect,
-            workers=torch.get_num_threads(),
+            pool=self._pool,
+            workers=workers,
             recycle=self._spare.append,
         )
         moved += 32 * len(members) * (len(members) - 1)  # public keys relayed to members
