@@ -160,8 +160,11 @@ def test_null_keys_batched_cached_and_streamed_agree(reading_setup):
     as_bools = RandomGreenLists(40, 3, cells, 0.25, cache_bytes=40 * cells)  # too big as floats
     assert torch.equal(as_bools.sums(changes), kept.sums(changes))
     assert as_bools._masks[0].dtype == torch.bool
-    kept = kept.sums(changes)
     redrawn = RandomGreenLists(40, 3, cells, 0.25, cache_bytes=0)
+    # The first round draws the kept keys several chunks at a time: the same as a serial draw.
+    assert len(kept._masks) == 3
+    assert all(torch.equal(m, redrawn._chunk(i).float()) for i, m in enumerate(kept._masks))
+    kept = kept.sums(changes)
     assert torch.allclose(kept, redrawn.sums(changes))
     assert torch.allclose(kept, redrawn.sums(changes))  # and again: the same keys every round
     # A mask is a Bernoulli(gamma) draw: about a quarter of the cells of every key are green.

@@ -20,6 +20,8 @@ different streams: the keys, and so the last digits of a p-value, depend on the 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 _CHUNK = 16  # keys per generator and per matrix product
@@ -59,14 +61,18 @@ class RandomGreenLists:
         """Bool masks ``[keys, cells]`` of chunk ``index`` (keys ``index*16 ...``)."""
         if self._cached and index < len(self._masks):
             return self._masks[index]
+        mask = self._draw(index)
+        if self._cached:
+            self._masks.append(mask)
+        return mask
+
+    def _draw(self, index: int) -> torch.Tensor:
+        """Chunk ``index``'s masks from its own generator (as cached when cached)."""
         keys = min(_CHUNK, self.n - index * _CHUNK)
         gen = torch.Generator(device=self.device)
         gen.manual_seed((self.seed * 1_000_003 + index) % (1 << 63))
         mask = torch.rand((keys, self.cells), generator=gen, device=self.device) < self.gamma
-        if self._cached:
-            mask = mask.to(self._dtype)
-            self._masks.append(mask)
-        return mask
+        return mask.to(self._dtype) if self._cached else mask
 
     def sums(self, changes: torch.Tensor) -> torch.Tensor:
         """``[batch, n]`` float64: each flat change (``[batch, cells]``) summed over every
@@ -74,8 +80,14 @@ class RandomGreenLists:
         if changes.dim() != 2 or changes.shape[1] != self.cells:
             raise ValueError(f"changes: expected [batch, {self.cells}], got {tuple(changes.shape)}")
         values = changes.to(self.device, torch.float32).T.contiguous()
+        chunks = (self.n + _CHUNK - 1) // _CHUNK
+        if self._cached and not self._masks and self.device.type == "cpu" and chunks > 1:
+            # The first round draws every key (one CPU generator each, serial inside torch):
+            # several chunks at once, in order, so the keys are those of a serial draw.
+            with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+                self._masks = list(pool.map(self._draw, range(chunks)))
         out = []
-        for index in range((self.n + _CHUNK - 1) // _CHUNK):
+        for index in range(chunks):
             mask = self._chunk(index)
             out.append((mask.to(torch.float32) @ values).T)
         return torch.cat(out, dim=1).double()
