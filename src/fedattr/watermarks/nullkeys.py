@@ -58,7 +58,7 @@ class RandomGreenLists:
         self._masks: list[torch.Tensor] = []
 
     def _chunk(self, index: int) -> torch.Tensor:
-        """Bool masks ``[keys, cells]`` of chunk ``index`` (keys ``index*16 ...``)."""
+        """Masks ``[keys, cells]`` of chunk ``index`` (keys ``index*16 ...``), kept or drawn."""
         if self._cached and index < len(self._masks):
             return self._masks[index]
         mask = self._draw(index)
