@@ -228,3 +228,33 @@ def test_detect_command_on_a_lora_adapter(micro, tmp_path, capsys):
     assert main(["owner", "detect", "--key", str(key_file), "--model", str(path), "--lora",
                  str(tmp_path / "nothing")]) == 2  # fmt: skip
     assert "--lora: could not load an adapter" in capsys.readouterr().err
+
+
+def test_a_lora_model_read_against_its_own_base_equals_an_explicit_reference(micro):
+    """``owner detect --lora`` reads the reference as the candidate with its adapter disabled;
+    that must equal reading the base model itself (a fold that ignored the disabled adapter
+    read the candidate twice: statistic 0, p = 1)."""
+    import copy
+
+    from fedattr.data.corpus import generate_corpus
+    from fedattr.models.config import LoRAConfig, ModelConfig
+    from fedattr.models.loading import load_model
+    from fedattr.models.lora import adapter_state, attach_lora, load_state
+    from fedattr.owner.detect import detect_kgw
+
+    path, _, tokenizer = micro
+    # A fresh copy: another test attaches an adapter to the shared micro model in place.
+    base, _ = load_model(ModelConfig(preset="hf", name_or_path=str(path), device="cpu"))
+    tuned = attach_lora(copy.deepcopy(base), LoRAConfig(r=4, alpha=8, dropout=0.0), seed=3)
+    gen = torch.Generator().manual_seed(8)
+    load_state(tuned, {k: v + 0.2 * torch.randn(v.shape, generator=gen)
+                       for k, v in adapter_state(tuned).items()})  # fmt: skip
+    texts = generate_corpus(12, seed=13)
+    key = _fixed_key(4)
+    own = detect_kgw(key, tuned, tokenizer, texts, lora=True, detectors=["reading"],
+                     null_keys=30)["reading"]  # fmt: skip
+    explicit = detect_kgw(key, tuned, tokenizer, texts, reference=base, detectors=["reading"],
+                          null_keys=30)["reading"]  # fmt: skip
+    assert own["statistic"] != 0.0
+    assert own["statistic"] == pytest.approx(explicit["statistic"], rel=1e-4, abs=1e-6)
+    assert own["p"] == pytest.approx(explicit["p"], rel=1e-3)

@@ -242,10 +242,11 @@ def test_shared_prompts_are_read_once_with_the_same_log_probabilities(micro):
     assert torch.allclose(shared, want, atol=1e-4)
 
 
-def test_folded_adapters_read_what_the_adapters_give_and_restore_the_model(micro):
+def test_folded_adapters_read_what_the_adapters_give_and_touch_nothing(micro):
     """Inside ``folded_adapters`` each adapted module is one linear with W + s·B·A: the same
-    logits up to float rounding; afterwards every weight is back bit for bit. A tied output
-    layer (micro ties lm_head to the embeddings) stays unfolded, or the inputs would change."""
+    logits up to float rounding, the model's tensors untouched (micro ties lm_head to the
+    embeddings), a disabled adapter reads the base model, and afterwards the model is as
+    before."""
     import copy
 
     from fedattr.models.config import LoRAConfig
@@ -255,6 +256,7 @@ def test_folded_adapters_read_what_the_adapters_give_and_restore_the_model(micro
         folded_adapters,
         load_state,
         lora_layers,
+        stacked_candidates,
     )
 
     model, tok = micro
@@ -262,40 +264,45 @@ def test_folded_adapters_read_what_the_adapters_give_and_restore_the_model(micro
     model = attach_lora(copy.deepcopy(model), LoRAConfig(r=8, alpha=16, target_modules=targets),
                         seed=1)  # fmt: skip
     gen = torch.Generator().manual_seed(6)
-    load_state(model, {k: v + 0.1 * torch.randn(v.shape, generator=gen)
-                       for k, v in adapter_state(model).items()})  # fmt: skip
+    state = {k: v + 0.1 * torch.randn(v.shape, generator=gen)
+             for k, v in adapter_state(model).items()}  # fmt: skip
+    load_state(model, state)
     model.eval()
     layers = lora_layers(model)
-    head = next(name for name in layers if name.endswith("lm_head"))
-    assert layers[head].base_layer.weight is model.get_input_embeddings().weight  # tied
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ids = torch.randint(3, len(tok), (2, 9), generator=gen)
     with torch.no_grad():
         want = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
         with folded_adapters(model) as folded:
-            got = model(input_ids=ids).logits
             assert folded
-            changed = [n for n, layer in layers.items()
-                       if not torch.equal(layer.base_layer.weight, before[_base_key(model, n)])]
-            assert sorted(changed) == sorted(n for n in layers if n != head)  # fmt: skip
+            got = model(input_ids=ids).logits
+            with model.disable_adapter():  # owner detect's reference read of a LoRA model
+                got_base = model(input_ids=ids).logits
+            assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
         after = model(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4) and not torch.equal(got, want)
+    assert torch.equal(got_base, base) and not torch.allclose(base, want, atol=1e-3)
     assert torch.equal(after, want)
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not any("forward" in vars(layer) for layer in layers.values())
-    # Not folded: with autograd on (training), or in bf16 (would round the change away).
+    # Not folded: with autograd on (training), in training mode, in bf16 (could round the
+    # change away), or inside a stacked pass (its layers are patched already).
     with folded_adapters(model) as folded:
         assert not folded
+    model.train()
+    with torch.no_grad(), folded_adapters(model) as folded:
+        assert not folded
+    model.eval()
     with torch.no_grad(), folded_adapters(copy.deepcopy(model).to(torch.bfloat16)) as folded:
+        assert not folded
+    with torch.no_grad(), stacked_candidates(model, [state, state]), folded_adapters(
+        model
+    ) as folded:
         assert not folded
     # An error inside still restores the model.
     with pytest.raises(RuntimeError, match="stop"), torch.no_grad(), folded_adapters(model):
         raise RuntimeError("stop")
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not any("forward" in vars(layer) for layer in layers.values())
-
-
-def _base_key(model, layer_name: str) -> str:
-    """The state-dict key of an adapted layer's base weight."""
-    key = f"{layer_name}.base_layer.weight"
-    return key if key in model.state_dict() else f"{layer_name}.weight"
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, want)

@@ -1,3 +1,5 @@
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -226,10 +228,14 @@ def test_server_sums_every_upload_once_whatever_its_threads(threads, workers):
     uploads = {j: torch.from_numpy(gen.integers(top.min, top.max, 1000, dtype=np.int64,
                                                 endpoint=True)) for j in members}  # fmt: skip
     asked, recycled = [], []
+    # The first upload of each thread waits for the others' first: every thread sums some.
+    started = threading.Barrier(threads or 1, timeout=30)
 
     def collect(j, round_id, query_id, who, keys):
         assert (round_id, query_id, who) == (2, 7, members)
         asked.append(j)
+        if len(asked) <= (threads or 1):
+            started.wait()
         return uploads[j].clone()
 
     pool = None if threads is None else ThreadPoolExecutor(threads)
@@ -243,3 +249,25 @@ def test_server_sums_every_upload_once_whatever_its_threads(threads, workers):
     assert np.array_equal(total.numpy(), want)
     assert moved == 5 * 1000 * 8
     assert len(recycled) == 4 and all(r is not total for r in recycled)
+
+
+def test_a_failing_upload_stops_the_query_and_no_thread_outlives_it():
+    from concurrent.futures import ThreadPoolExecutor
+
+    members = (1, 0, 2, 3, 4, 5, 6, 7)  # the first thread takes the failing member
+    asked = []
+
+    def collect(j, *_):
+        asked.append(j)
+        if j == 1:
+            raise ValueError("member 1 broke")
+        threading.Event().wait(0.01)  # an upload takes a while
+        return torch.zeros(4, dtype=torch.int64)
+
+    with pytest.raises(ValueError, match="member 1 broke"):
+        PairwiseMaskServer().run_query(0, 0, members, collect, pool=ThreadPoolExecutor(3),
+                                       workers=3)  # fmt: skip
+    seen = len(asked)
+    threading.Event().wait(0.1)
+    assert len(asked) == seen  # no thread was still uploading when the error came back
+    assert seen < len(members)  # and the others stopped taking members

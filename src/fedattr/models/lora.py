@@ -104,10 +104,13 @@ def trainable_lora_parameters(peft_model) -> list[torch.nn.Parameter]:
 
 def can_stack(peft_model) -> bool:
     """Whether :func:`stacked_candidates` can run this model: every adapted module a plain
-    linear LoRA layer (no DoRA or other variant, nothing merged, one active adapter)."""
+    linear LoRA layer (no DoRA or other variant, no LoRA bias, nothing merged, one active
+    adapter)."""
     layers = lora_layers(peft_model)
     return bool(layers) and all(
         isinstance(layer.base_layer, torch.nn.Linear)
+        and not layer.fan_in_fan_out
+        and not getattr(layer, "lora_bias", {}).get("default", False)
         and not layer.merged
         and not layer.disable_adapters
         and list(layer.active_adapters) == ["default"]
@@ -132,45 +135,59 @@ def candidate_stacker(peft_model):
 @contextmanager
 def folded_adapters(model) -> Iterator[bool]:
     """Evaluation only: inside the block every adapted module runs as one linear layer with
-    ``W + scaling * B @ A`` (its weight restored bit for bit after). Yields whether it folded.
+    ``W + scaling * B @ A`` (a new tensor; the model's own are not touched). Yields whether
+    it folded.
 
     An unfolded LoRA module costs ``1 + 2r/d`` times its base matmul per token (twice at the
-    embedded default's r = 64, d = 128); folded, one matmul. Folds only where that is exact
-    enough and safe: float32 weights (a precaution: in bf16, ``W + B @ A`` could round away a
-    change far below W's resolution, the differential signal itself; on the embedded default
-    it moved the contrasts no more than bf16 reads do, see the README), plain linear LoRA layers
-    (:func:`can_stack`), and no autograd (training needs the factors' gradients). A module
-    whose weight is tied to another (an output layer sharing the embeddings) stays unfolded.
+    embedded default's r = 64, d = 128); folded, one matmul. A module whose adapter is
+    disabled or merged while inside (``with peft_model.disable_adapter()``, as ``owner
+    detect`` reads a LoRA model's own reference) runs its base layer, as peft would. Folds
+    only where that is exact enough and safe: float32 weights (a precaution: in bf16,
+    ``W + B @ A`` could round away a change far below W's resolution, the differential
+    signal itself; on the embedded default it moved the contrasts no more than bf16 reads
+    do, see the README), plain linear LoRA layers (:func:`can_stack`), evaluation mode and
+    no autograd (training needs the factors' gradients and dropout), and no layer already
+    patched or hooked (a stacked pass, accelerate's offloading hooks).
     """
     layers = lora_layers(model)
     if (
         torch.is_grad_enabled()
         or not can_stack(model)
-        or any(layer.base_layer.weight.dtype != torch.float32 for layer in layers.values())
+        or any(
+            layer.training
+            or layer.base_layer.weight.dtype != torch.float32
+            or "forward" in vars(layer)
+            or hasattr(layer.base_layer, "_hf_hook")
+            for layer in layers.values()
+        )
     ):
         yield False
         return
-    uses: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
-    saved: list[tuple[torch.nn.Module, torch.Tensor]] = []
+    patched = []
     try:
         for layer in layers.values():
             weight = layer.base_layer.weight
-            if uses.get(id(weight), 0) > 1:
-                continue  # tied (an lm_head sharing the embeddings): folding would change both
-            saved.append((layer, weight.detach().clone()))
             b = layer.lora_B["default"].weight
             if b.any():  # FLoRA's reset adapters (B = 0) add nothing
-                weight.add_(b @ layer.lora_A["default"].weight, alpha=layer.scaling["default"])
-            layer.forward = layer.base_layer.forward
+                a, scaling = layer.lora_A["default"].weight, layer.scaling["default"]
+                weight = torch.addmm(weight, b, a, alpha=scaling)
+            layer.forward = _folded_forward(layer, weight)
+            patched.append(layer)
         yield True
     finally:
-        for layer, weight in saved:
-            with torch.no_grad():
-                layer.base_layer.weight.copy_(weight)
-            if "forward" in vars(layer):
-                del layer.forward  # back to the class's forward
+        for layer in patched:
+            del layer.forward  # back to the class's forward
+
+
+def _folded_forward(layer, weight: torch.Tensor):
+    base = layer.base_layer
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if layer.disable_adapters or layer.merged:
+            return base(x, *args, **kwargs)
+        return torch.nn.functional.linear(x, weight, base.bias)
+
+    return forward
 
 
 def _candidate_tensor(

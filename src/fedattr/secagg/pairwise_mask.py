@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -159,26 +159,36 @@ class PairwiseMaskServer:
         coefficients applied: each member scales its own input."""
         waiting = iter(members)
         lock = threading.Lock()
+        failed = threading.Event()  # one thread's error stops the others taking members
 
         def next_member() -> int | None:
             with lock:
-                return next(waiting, None)
+                return None if failed.is_set() else next(waiting, None)
 
-        def sum_some(_: int = 0) -> tuple[torch.Tensor | None, int]:
+        def sum_some() -> tuple[torch.Tensor | None, int]:
             total, moved = None, 0
-            while (j := next_member()) is not None:
-                y = collect(j, round_id, query_id, members, self.public_keys)
-                moved += y.numel() * y.element_size()
-                if total is None:
-                    total = y
-                else:
-                    _ring_add(total, y)
-                    if recycle is not None:
-                        recycle(y)
+            try:
+                while (j := next_member()) is not None:
+                    y = collect(j, round_id, query_id, members, self.public_keys)
+                    moved += y.numel() * y.element_size()
+                    if total is None:
+                        total = y
+                    else:
+                        _ring_add(total, y)
+                        if recycle is not None:
+                            recycle(y)
+            except BaseException:
+                failed.set()
+                raise
             return total, moved
 
         workers = 1 if pool is None else max(1, min(workers, len(members)))
-        parts = [sum_some()] if workers == 1 else list(pool.map(sum_some, range(workers)))
+        if workers == 1:
+            parts = [sum_some()]
+        else:
+            tasks = [pool.submit(sum_some) for _ in range(workers)]
+            wait(tasks)  # every thread is done with this query's buffers before anything else
+            parts = [task.result() for task in tasks]
         sums = [(total, moved) for total, moved in parts if total is not None]
         if not sums:
             raise SecAggError("run_query: a query needs at least one member")

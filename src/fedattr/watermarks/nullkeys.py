@@ -83,8 +83,12 @@ class RandomGreenLists:
         chunks = (self.n + _CHUNK - 1) // _CHUNK
         if self._cached and not self._masks and self.device.type == "cpu" and chunks > 1:
             # The first round draws every key (one CPU generator each, serial inside torch):
-            # several chunks at once, in order, so the keys are those of a serial draw.
-            with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+            # several chunks at once, in order, so the keys are those of a serial draw; as
+            # many at once as keep their transient uniforms, bools and floats (9 bytes per
+            # cell) within the cache's size.
+            fit = _CACHE_BYTES // (9 * _CHUNK * self.cells)
+            at_once = max(1, min(torch.get_num_threads(), fit))
+            with ThreadPoolExecutor(at_once) as pool:
                 self._masks = list(pool.map(self._draw, range(chunks)))
         out = []
         for index in range(chunks):
