@@ -228,7 +228,7 @@ def test_server_sums_every_upload_once_whatever_its_threads(threads, workers):
     uploads = {j: torch.from_numpy(gen.integers(top.min, top.max, 1000, dtype=np.int64,
                                                 endpoint=True)) for j in members}  # fmt: skip
     asked, recycled = [], []
-    # The first upload of each thread waits for the others' first: every thread sums some.
+    # The first upload of each thread waits for the others' first: every thread adds some.
     started = threading.Barrier(threads or 1, timeout=30)
 
     def collect(j, round_id, query_id, who, keys):

@@ -153,51 +153,48 @@ class PairwiseMaskServer:
 
         Members are separate machines that mask at the same time: ``workers`` threads of
         ``pool`` (or the caller alone) each take the next member's upload and add it into
-        their own partial sum (the ring sum is exact, so order and grouping do not matter);
-        the partial sums are added at the end. At most two vectors per thread are held.
-        ``recycle`` gets each upload back once it is in a sum. The server never sees
-        coefficients applied: each member scales its own input."""
+        the sum as it arrives (one add at a time; the ring sum is exact, so the order does
+        not matter): besides the sum, at most one upload per thread is held. ``recycle``
+        gets each upload back once it is in the sum. The server never sees coefficients
+        applied: each member scales its own input."""
         waiting = iter(members)
-        lock = threading.Lock()
+        taking, adding = threading.Lock(), threading.Lock()
         failed = threading.Event()  # one thread's error stops the others taking members
+        sums: list[torch.Tensor] = []  # the ring sum, once the first upload is in
 
         def next_member() -> int | None:
-            with lock:
+            with taking:
                 return None if failed.is_set() else next(waiting, None)
 
-        def sum_some() -> tuple[torch.Tensor | None, int]:
-            total, moved = None, 0
+        def upload_some() -> int:
+            moved = 0
             try:
                 while (j := next_member()) is not None:
                     y = collect(j, round_id, query_id, members, self.public_keys)
                     moved += y.numel() * y.element_size()
-                    if total is None:
-                        total = y
-                    else:
-                        _ring_add(total, y)
-                        if recycle is not None:
-                            recycle(y)
+                    with adding:
+                        first = not sums
+                        if first:
+                            sums.append(y)
+                        else:
+                            _ring_add(sums[0], y)
+                    if not first and recycle is not None:
+                        recycle(y)
             except BaseException:
                 failed.set()
                 raise
-            return total, moved
+            return moved
 
         workers = 1 if pool is None else max(1, min(workers, len(members)))
         if workers == 1:
-            parts = [sum_some()]
+            moved = upload_some()
         else:
-            tasks = [pool.submit(sum_some) for _ in range(workers)]
+            tasks = [pool.submit(upload_some) for _ in range(workers)]
             wait(tasks)  # every thread is done with this query's buffers before anything else
-            parts = [task.result() for task in tasks]
-        sums = [(total, moved) for total, moved in parts if total is not None]
+            moved = sum(task.result() for task in tasks)
         if not sums:
             raise SecAggError("run_query: a query needs at least one member")
-        total = sums[0][0]
-        for partial, _ in sums[1:]:
-            _ring_add(total, partial)
-            if recycle is not None:
-                recycle(partial)
-        return total, sum(moved for _, moved in sums)
+        return sums[0], moved
 
 
 class PairwiseMaskAggregator(SecureAggregator):
