@@ -300,6 +300,10 @@ def test_folded_adapters_read_what_the_adapters_give_and_touch_nothing(micro):
         model
     ) as folded:
         assert not folded
+    hook = next(iter(layers.values())).base_layer.register_forward_hook(lambda *a: None)
+    with torch.no_grad(), folded_adapters(model) as folded:
+        assert not folded  # a folded read would bypass the base layer's hook
+    hook.remove()
     # An error inside still restores the model.
     with pytest.raises(RuntimeError, match="stop"), torch.no_grad(), folded_adapters(model):
         raise RuntimeError("stop")

@@ -147,7 +147,8 @@ def folded_adapters(model) -> Iterator[bool]:
     signal itself; on the embedded default it moved the contrasts no more than bf16 reads
     do, see the README), plain linear LoRA layers (:func:`can_stack`), evaluation mode and
     no autograd (training needs the factors' gradients and dropout), and no layer already
-    patched or hooked (a stacked pass, accelerate's offloading hooks).
+    patched or a base layer hooked (a stacked pass, accelerate's offloading hooks, forward
+    hooks a folded read would bypass).
     """
     layers = lora_layers(model)
     if (
@@ -158,6 +159,8 @@ def folded_adapters(model) -> Iterator[bool]:
             or layer.base_layer.weight.dtype != torch.float32
             or "forward" in vars(layer)
             or hasattr(layer.base_layer, "_hf_hook")
+            or layer.base_layer._forward_hooks
+            or layer.base_layer._forward_pre_hooks
             for layer in layers.values()
         )
     ):
