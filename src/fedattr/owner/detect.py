@@ -25,6 +25,7 @@ from scipy.stats import t as student_t
 
 from ..data.records import Record
 from ..errors import UserError
+from ..models.reading import output_layer
 from ..watermarks.keys import OwnerKey
 
 
@@ -42,9 +43,7 @@ class _Pair(torch.nn.Module):
         """The output layer of the model read now (so the reader can run it on the scored
         positions only; the reference's, or the candidate's whose adapter is disabled)."""
         reading_reference = self.current != "candidate" and self.reference is not None
-        model = self.reference if reading_reference else self.candidate
-        head = getattr(model, "get_output_embeddings", None)
-        return head() if callable(head) else None
+        return output_layer(self.reference if reading_reference else self.candidate)
 
     def forward(self, **inputs: Any) -> Any:
         if self.current == "candidate":

@@ -53,6 +53,7 @@ class RandomGreenLists:
         self.cells = cells
         self.gamma = gamma
         self.device = torch.device(device)
+        self.cache_bytes = cache_bytes
         self._dtype = torch.float32 if 4 * n * cells <= cache_bytes else torch.bool
         self._cached = n * cells * self._dtype.itemsize <= cache_bytes
         self._masks: list[torch.Tensor] = []
@@ -86,7 +87,7 @@ class RandomGreenLists:
             # several chunks at once, in order, so the keys are those of a serial draw; as
             # many at once as keep their transient uniforms, bools and floats (9 bytes per
             # cell) within the cache's size.
-            fit = _CACHE_BYTES // (9 * _CHUNK * self.cells)
+            fit = self.cache_bytes // (9 * _CHUNK * self.cells)
             at_once = max(1, min(torch.get_num_threads(), fit))
             with ThreadPoolExecutor(at_once) as pool:
                 self._masks = list(pool.map(self._draw, range(chunks)))

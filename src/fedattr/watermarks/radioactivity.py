@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import numpy as np
@@ -202,8 +202,9 @@ class KGWReadingScorer:
             torch.zeros((len(self.contexts), self.vocab), dtype=torch.float32, device=device)
             for _ in range(count)
         ]
-        # One candidate at a time: its LoRA factors folded into the weights for the read.
-        with folded_adapters(self.model) if count == 1 else nullcontext():
+        # LoRA factors folded into the weights for the read (not inside a stacked pass, whose
+        # layers are patched already: folded_adapters declines those itself).
+        with folded_adapters(self.model):
             for b in self._batches:
                 ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
                 rows = b.rows.to(device)
