@@ -310,3 +310,45 @@ def test_folded_adapters_read_what_the_adapters_give_and_touch_nothing(micro):
     assert not any("forward" in vars(layer) for layer in layers.values())
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_generation_decodes_a_lora_model_folded_with_the_adapters_tokens(micro, monkeypatch):
+    """``generate`` folds a LoRA model's factors for decoding: the same greedy continuations
+    as decoding through the unfolded adapters, the fold really taken, the model restored."""
+    import contextlib
+    import copy
+
+    from fedattr.models import text
+    from fedattr.models.config import LoRAConfig
+    from fedattr.models.lora import adapter_state, attach_lora, load_state, lora_layers
+
+    model, tok = micro
+    model = attach_lora(copy.deepcopy(model), LoRAConfig(r=8, alpha=16), seed=2)
+    gen = torch.Generator().manual_seed(3)
+    load_state(model, {k: v + 0.1 * torch.randn(v.shape, generator=gen)
+                       for k, v in adapter_state(model).items()})  # fmt: skip
+    prompts = [r.instruction for r in generate_corpus(6, seed=4)]
+    folds = []
+    real = text.folded_adapters
+
+    @contextlib.contextmanager
+    def spy(m):
+        with real(m) as folded:
+            folds.append(folded)
+            yield folded
+
+    monkeypatch.setattr(text, "folded_adapters", spy)
+    model.train()
+    got = text.generate(model, tok, prompts, 10, batch_size=4)
+    assert folds == [True] and model.training
+    assert not any("forward" in vars(layer) for layer in lora_layers(model).values())
+
+    @contextlib.contextmanager
+    def unfolded(m):
+        yield False
+
+    monkeypatch.setattr(text, "folded_adapters", unfolded)
+    assert got == text.generate(model, tok, prompts, 10, batch_size=4)
+    # and the adapters matter: the base model continues otherwise
+    with model.disable_adapter():
+        assert text.generate(model, tok, prompts, 10, batch_size=4) != got

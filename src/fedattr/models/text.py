@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.records import Record, plain_prompt
+from .lora import folded_adapters
 
 
 def format_prompt(tokenizer, record: Record) -> str:
@@ -91,31 +92,34 @@ def generate(
     tokenizer.padding_side = "left"
     out: list[list[int]] = []
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    for start in range(0, len(prompts), batch_size):
-        chunk = list(prompts[start : start + batch_size])
-        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(
-            device
-        )
-        kwargs = dict(
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        if logits_processor is not None:
-            kwargs["logits_processor"] = LogitsProcessorList([logits_processor])
-        if sample:
-            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-            kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-        else:
-            kwargs.update(do_sample=False)
-        seqs = model.generate(**enc, **kwargs)
-        width = enc["input_ids"].shape[1]
-        for row, seq in enumerate(seqs.tolist()):
-            new = seq[width:]
-            if tokenizer.eos_token_id in new:
-                new = new[: new.index(tokenizer.eos_token_id)]
-            new = [t for t in new if t != tokenizer.pad_token_id]
-            out.append([int(enc["input_ids"][row, -1]), *new])
+    # A LoRA model decodes with its factors folded into the weights (one matmul per adapted
+    # module and token instead of three; folded_adapters declines where that is not exact).
+    with folded_adapters(model):
+        for start in range(0, len(prompts), batch_size):
+            chunk = list(prompts[start : start + batch_size])
+            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(
+                device
+            )
+            kwargs = dict(
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            if logits_processor is not None:
+                kwargs["logits_processor"] = LogitsProcessorList([logits_processor])
+            if sample:
+                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+                kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+            else:
+                kwargs.update(do_sample=False)
+            seqs = model.generate(**enc, **kwargs)
+            width = enc["input_ids"].shape[1]
+            for row, seq in enumerate(seqs.tolist()):
+                new = seq[width:]
+                if tokenizer.eos_token_id in new:
+                    new = new[: new.index(tokenizer.eos_token_id)]
+                new = [t for t in new if t != tokenizer.pad_token_id]
+                out.append([int(enc["input_ids"][row, -1]), *new])
     if was_training:
         model.train()
     return out

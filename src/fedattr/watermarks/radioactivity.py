@@ -18,7 +18,7 @@ import torch
 
 from ..models.lora import folded_adapters
 from ..models.reading import length_batches, logits_at, output_layer
-from ..models.text import Example, collate, generate
+from ..models.text import Example, generate, padded
 from .kgw import KGWDetector, KGWScheme
 from .nullkeys import RandomGreenLists
 
@@ -142,13 +142,16 @@ class KGWReadingScorer:
         groups = torch.split(inverse, [b - a for a, b in spans])
         # Batches of similar length (less padding), each with its scored positions as flat
         # indices into the padded batch and their context groups, built once for every read.
+        # A probe's last token is not fed: no read position follows it (position t predicts
+        # token t + 1), and a causal model reads the earlier positions the same without it.
+        texts = [ex.input_ids[:b] for ex, (_, b) in zip(self.examples, spans, strict=True)]
         self._batches: list[_ReadBatch] = []
-        for idx in length_batches([len(ex.input_ids) for ex in self.examples], batch_size):
-            batch = collate([self.examples[i] for i in idx], pad_id)
-            width = batch["input_ids"].shape[1]
+        for idx in length_batches([len(t) for t in texts], batch_size):
+            ids, mask = padded([texts[i] for i in idx], pad_id)
+            width = ids.shape[1]
             rows = torch.cat([torch.arange(spans[i][0], spans[i][1]) + k * width
                               for k, i in enumerate(idx)])  # fmt: skip
-            self._batches.append(_ReadBatch(batch["input_ids"], batch["attention_mask"], rows,
+            self._batches.append(_ReadBatch(ids, mask, rows,
                                             torch.cat([groups[i] for i in idx])))  # fmt: skip
         self.green = {
             name: torch.stack([s.green_mask(int(x)) for x in contexts.tolist()])
