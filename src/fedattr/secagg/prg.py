@@ -13,6 +13,7 @@ where it was computed.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -97,8 +98,7 @@ def masked(
     ring = y.numpy()  # a view: numpy's integer arithmetic wraps modulo 2^b like the ring
     scale = np.array(coefficient).astype(np_dtype)  # the coefficient's residue in the ring
     step = _APPLY_CHUNK // ring.itemsize
-    zeros = np.zeros(step * ring.itemsize, dtype=np.uint8)
-    buffer = np.empty(step * ring.itemsize + 15, dtype=np.uint8)
+    zeros, buffer = _scratch(step * ring.itemsize)
     mask = buffer[: step * ring.itemsize].view(np_dtype)
     encryptors = []
     for seed in seeds:
@@ -115,6 +115,24 @@ def masked(
             enc.update_into(zeros[:nbytes], buffer[: nbytes + 15])
             (np.add if sign > 0 else np.subtract)(part, mask[: part.size], out=part)
     return y
+
+
+_ZEROS = np.zeros(0, dtype=np.uint8)  # read-only plaintext of the keystream, shared by threads
+_THREAD = threading.local()  # each thread's keystream buffer
+
+
+def _scratch(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """``nbytes`` zero bytes and a keystream buffer of ``nbytes + 15`` (this thread's), kept
+    between calls: fresh ones of a megabyte are pages the kernel maps and zeroes on first
+    touch, which cost half as much as the cipher on a small update (1.9 -> 1.1 ms for five
+    131,072-coordinate masks)."""
+    global _ZEROS
+    if _ZEROS.size < nbytes:
+        _ZEROS = np.zeros(nbytes, dtype=np.uint8)
+    buffer = getattr(_THREAD, "buffer", None)
+    if buffer is None or buffer.size < nbytes + 15:
+        buffer = _THREAD.buffer = np.empty(nbytes + 15, dtype=np.uint8)
+    return _ZEROS[:nbytes], buffer
 
 
 _OPENSSL_ON_CPU = True  # tests switch it off to run the device code path on the CPU
