@@ -43,10 +43,14 @@ def owner_files(tiny_cache, tmp_path_factory):
     return key, wm
 
 
+@pytest.mark.parametrize("decorrelate", [True, False])
 def test_deployed_workflow_gives_the_simulations_verdicts(tiny_cache, owner_files, tmp_path,
-                                                          capsys):  # fmt: skip
+                                                          capsys, decorrelate):  # fmt: skip
+    """With cross-talk undone the owner does not read the SA mean (its scores hold no center
+    statistics, as the server's in-process scoring does not read it); without, it does."""
     key, wm = owner_files
-    common = _small(tiny_cache, f"watermark.documents={wm}", "watermark.r=2")
+    common = _small(tiny_cache, f"watermark.documents={wm}", "watermark.r=2",
+                    f"attribution.decorrelate={str(decorrelate).lower()}")  # fmt: skip
     # the server: no key; it exports each round's release
     deployed = tmp_path / "deployed"
     assert main(["run", "--out", str(deployed), *_args(*common, "attribution.scoring=owner")]) == 0
@@ -58,6 +62,8 @@ def test_deployed_workflow_gives_the_simulations_verdicts(tiny_cache, owner_file
     assert "holds no scores-*.json" in capsys.readouterr().err
     # the owner scores every round with its key, then anyone combines
     assert main(["owner", "score", "--key", str(key), *map(str, rounds)]) == 0
+    scores = [json.loads(next(r.glob("scores-*.json")).read_text()) for r in rounds]
+    assert all((s["center"] is None) == decorrelate for s in scores)
     assert main(["attribute", str(deployed)]) == 0
     got = json.loads((deployed / "results.json").read_text())
     # the simulation: the same run, its server scoring with the owner's key file itself
@@ -70,6 +76,15 @@ def test_deployed_workflow_gives_the_simulations_verdicts(tiny_cache, owner_file
         assert a["id"] == b["id"] and a["flagged"] == b["flagged"]
         assert a["p"] == pytest.approx(b["p"], rel=1e-6, abs=1e-12)
     assert "Scored by the owners" in (deployed / "report.md").read_text()
+    if decorrelate:
+        # combined under settings whose rounds need the SA mean: one clear line
+        run_json = deployed / "rounds" / "run.json"
+        cfg = json.loads(run_json.read_text())
+        cfg["attribution"]["decorrelate"] = False
+        run_json.write_text(json.dumps(cfg))
+        capsys.readouterr()
+        assert main(["attribute", str(deployed)]) == 2
+        assert "hold no SA-mean statistics" in capsys.readouterr().err
 
 
 def test_missing_or_altered_round_files_are_one_clear_line(tiny_cache, owner_files, tmp_path,

@@ -66,8 +66,17 @@ def attribute_run(run_dir: str | Path) -> AttributionReport:
              for o, s in scores.items()}
             for x in targets
         ]  # fmt: skip
-        center = {o: (s["center"][0], np.asarray(s["center"][1])) for o, s in scores.items()}
         designs = [design_from_dict(d) for d in manifest["designs"]]
+        center = None
+        if not null.decorrelates(manifest["participants"], targets, designs):
+            missing = sorted(o for o, s in scores.items() if s.get("center") is None)
+            if missing:
+                raise UserError(
+                    f"round folder {str(folder)!r}: the scores of {missing} hold no SA-mean "
+                    "statistics, which this round needs (its cross-talk is not undone with "
+                    "this run's attribution settings); score the round again"
+                )
+            center = {o: (s["center"][0], np.asarray(s["center"][1])) for o, s in scores.items()}
         null.add_round(t, manifest["participants"], targets, designs, stats, center)
     truth = _truth(run)
     report = null.report(truth)

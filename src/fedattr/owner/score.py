@@ -106,26 +106,35 @@ class OwnerScorer:
         has already checked it); returns the scores file written there."""
         from safetensors.torch import load_file
 
-        from ..attribution.calibrated import all_key_statistics
+        from ..attribution.calibrated import CalibratedNull, all_key_statistics
+        from ..attribution.export import design_from_dict
         from ..attribution.scoring import observe_all
 
         folder = Path(folder)
         manifest = manifest if manifest is not None else read_manifest(folder)
         reference = load_file(str(folder / "reference.safetensors"))
-        center = load_file(str(folder / "center.safetensors"))
         flat = load_file(str(folder / "estimates.safetensors"))
         updates = []
         for target in manifest["targets"]:
             prefix = f"{target}/"
             updates.append({k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
         scorer = self.scorer
+        # The SA mean's statistics serve only a round whose cross-talk is not undone (the
+        # combination decides from the same manifest and run configuration): otherwise its
+        # model is not read, as the server's in-process scoring does not read it.
+        designs = [design_from_dict(d) for d in manifest["designs"]]
+        combined = CalibratedNull(decorrelate=self.config.attribution.decorrelate)
+        needs_center = not combined.decorrelates(manifest["participants"], manifest["targets"],
+                                             designs)  # fmt: skip
         # The same reads, in the same order, as the server's in-process scoring.
         ref_obs = scorer.observe(reference)
         observed = list(observe_all(scorer, (self.apply(reference, u) for u in updates)))
-        observed.append(scorer.observe(self.apply(reference, center)))
+        if needs_center:
+            center = load_file(str(folder / "center.safetensors"))
+            observed.append(scorer.observe(self.apply(reference, center)))
         stats = all_key_statistics(scorer, ref_obs, observed, int(manifest["null_keys"]),
                                    int(manifest["seed"]))  # fmt: skip
-        middle = stats.pop()
+        middle = stats.pop() if needs_center else None
 
         def plain(s: dict) -> list:
             value, null = s[self.name]
@@ -135,7 +144,7 @@ class OwnerScorer:
             "format": SCORES_FORMAT, "round": manifest["round"], "owner": self.name,
             "fingerprint": self.key.fingerprint, "texts": scorer.positions,
             "targets": {str(t): plain(s) for t, s in zip(manifest["targets"], stats, strict=True)},
-            "center": plain(middle),
+            "center": plain(middle) if middle is not None else None,
         }  # fmt: skip
         path = folder / f"scores-{self.key.fingerprint}.json"
         tmp = path.with_name(path.name + ".tmp")
