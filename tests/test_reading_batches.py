@@ -206,8 +206,8 @@ def test_stacked_read_with_a_lora_output_layer_reads_each_candidate(micro):
 def test_shared_prompts_are_read_once_with_the_same_log_probabilities(micro):
     """Blocks of continuations of one prompt: the prompt's keys and values are computed once
     and reused; every sum equals reading each sequence whole (a LoRA model, prompts of
-    different lengths, a block whose scoring starts at token 1 so nothing is shared, and a
-    last block shorter than the others)."""
+    different lengths, a block whose scoring starts at token 1 so nothing is shared, a
+    last block shorter than the others, continuations batched by length across prompts)."""
     import copy
 
     from fedattr.models.config import LoRAConfig
@@ -232,6 +232,8 @@ def test_shared_prompts_are_read_once_with_the_same_log_probabilities(micro):
     seqs += [(words(7), 5), (words(6), 0)]  # a last block of two, unrelated
     with torch.no_grad():
         shared = sequence_logprobs(model, seqs, tok.pad_token_id, batch_size=4, group=3)
+        # two prompts per prefix pass, their continuations regrouped by length across them
+        mixed = sequence_logprobs(model, seqs, tok.pad_token_id, batch_size=8, group=3)
         whole = sequence_logprobs(model, seqs, tok.pad_token_id, batch_size=4, group=1)
         want = []
         for ids, first in seqs:
@@ -240,6 +242,7 @@ def test_shared_prompts_are_read_once_with_the_same_log_probabilities(micro):
     want = torch.tensor(want, dtype=torch.float64)
     assert torch.allclose(whole, want, atol=1e-4)
     assert torch.allclose(shared, want, atol=1e-4)
+    assert torch.allclose(mixed, want, atol=1e-4)
 
 
 def test_folded_adapters_read_what_the_adapters_give_and_touch_nothing(micro):
