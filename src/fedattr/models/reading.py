@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -98,47 +99,113 @@ def sequence_logprobs(
     group: int = 1,
 ) -> torch.Tensor:
     """For every ``(ids, first)``: ``sum_{t >= first} log p(ids[t] | ids[:t])`` (float64, on
-    the CPU; ``first`` below 1 counts from 1: the first token has no prediction).
+    the CPU; ``first`` below 1 counts from 1: the first token has no prediction). One read of
+    a :class:`SequenceReader` (which a detector reading the same sequences often keeps)."""
+    return SequenceReader(seqs, pad_id, batch_size, group)(model)
+
+
+class _Part(NamedTuple):
+    """One forward pass of a :class:`SequenceReader`: right-padded inputs (each member's
+    tokens after its ``skip`` already in a prefix cache, up to its last input), the flat
+    positions read with their target tokens and the member each belongs to, and the output
+    slot of each member. With a prefix: each member's row in the prefix cache and its
+    positions (after the prefix)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    rows: torch.Tensor
+    targets: torch.Tensor
+    owner: torch.Tensor
+    index: torch.Tensor
+    cache_rows: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+
+
+def _part(members: Sequence[tuple[list[int], int, int]], index: Sequence[int], pad_id: int,
+          cache_rows: Sequence[int] | None = None) -> _Part:  # fmt: skip
+    """The :class:`_Part` of ``members = (ids, first, skip)``."""
+    # A sequence's last token is not fed: no read position follows it.
+    ids_t, mask = padded([ids[skip : max(len(ids) - 1, skip + 1)] for ids, _, skip in members],
+                         pad_id)  # fmt: skip
+    width = ids_t.shape[1]
+    rows, targets, owner = [], [], []
+    for r, (ids, first, skip) in enumerate(members):
+        first = max(first, 1)
+        # Position t predicts token t + 1: the scored tokens first .. len - 1.
+        rows.extend(range(r * width + first - 1 - skip, r * width + len(ids) - 1 - skip))
+        targets.extend(ids[first:])
+        owner.extend([r] * (len(ids) - first))
+    as_index = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    positions = None
+    if cache_rows is not None:
+        positions = as_index([skip for _, _, skip in members])[:, None] + torch.arange(width)
+    return _Part(ids_t, mask, as_index(rows), as_index(targets), as_index(owner),
+                 as_index(list(index)), None if cache_rows is None else as_index(cache_rows),
+                 positions)  # fmt: skip
+
+
+class SequenceReader:
+    """:func:`sequence_logprobs` of fixed sequences, planned once and read under any model.
 
     ``group``: consecutive blocks of that many sequences share a prompt (one question, its
     candidate answers). Each block's common prefix, up to its earliest scored position, then
     runs through the model once and its keys and values serve every continuation of the
     block (``past_key_values``, with explicit positions), instead of once per sequence: the
-    same values up to float rounding. Blocks with no such prefix are read whole.
+    same values up to float rounding. Blocks with no such prefix are read whole. The plan
+    (prefixes, batches, padded inputs, read positions) is built here, not at every read.
     """
-    from transformers import DynamicCache
 
-    device = next(model.parameters()).device
-    out = torch.zeros(len(seqs), dtype=torch.float64)
-    blocks = [list(range(s, min(s + group, len(seqs)))) for s in range(0, len(seqs), group)]
-    prefix = [_common_prefix([seqs[i] for i in b]) if group > 1 else 0 for b in blocks]
-    whole = [i for b, p in zip(blocks, prefix, strict=True) if p == 0 for i in b]
-    for chunk in length_batches([len(seqs[i][0]) for i in whole], batch_size):
-        _score(model, [(seqs[whole[j]], 0) for j in chunk], [whole[j] for j in chunk],
-               pad_id, device, out)  # fmt: skip
-    shared = [k for k, p in enumerate(prefix) if p > 0]
-    for chunk in length_batches([prefix[k] for k in shared], max(1, batch_size // group)):
-        ks = [shared[j] for j in chunk]
-        ids, mask = padded([seqs[blocks[k][0]][0][: prefix[k]] for k in ks], pad_id)
-        cache = DynamicCache()
-        # Only the keys and values are wanted: the output layer runs at one position.
-        logits_at(model, ids.to(device), mask.to(device), torch.zeros(1, dtype=torch.long,
-                  device=device), past_key_values=cache, use_cache=True)  # fmt: skip
-        # (row of the prefix in the cache, sequence) of every continuation of these blocks,
-        # continued in batches of similar continuation length (answers of 4 to 11 tokens
-        # padded to the longest of 256 wasted 40% of the positions), each from its own copy
-        # of the prefixes' cache expanded to its members.
-        members = [(g, i) for g, k in enumerate(ks) for i in blocks[k]]
-        rest = [len(seqs[i][0]) - prefix[ks[g]] for g, i in members]
-        parts = length_batches(rest, max(1, batch_size // _CONTINUATION_SPLIT))
-        for n, part in enumerate(parts):
-            owner = [members[j][0] for j in part]
-            past = cache if n == len(parts) - 1 else copy.deepcopy(cache)
-            past.batch_select_indices(torch.tensor(owner, device=device))
-            index = [members[j][1] for j in part]
-            _score(model, [(seqs[i], prefix[ks[g]]) for g, i in (members[j] for j in part)],
-                   index, pad_id, device, out, past=(past, mask[owner]))  # fmt: skip
-    return out
+    def __init__(self, seqs: Sequence[tuple[list[int], int]], pad_id: int, batch_size: int,
+                 group: int = 1) -> None:  # fmt: skip
+        if group < 1:
+            raise ValueError(f"group: must be >= 1, got {group}")
+        self.size = len(seqs)
+        blocks = [list(range(s, min(s + group, len(seqs)))) for s in range(0, len(seqs), group)]
+        prefix = [_common_prefix([seqs[i] for i in b]) if group > 1 else 0 for b in blocks]
+        whole = [i for b, p in zip(blocks, prefix, strict=True) if p == 0 for i in b]
+        self._whole = [
+            _part([(*seqs[whole[j]], 0) for j in chunk], [whole[j] for j in chunk], pad_id)
+            for chunk in length_batches([len(seqs[i][0]) for i in whole], batch_size)
+        ]
+        self._shared: list[tuple[torch.Tensor, torch.Tensor, list[_Part]]] = []
+        shared = [k for k, p in enumerate(prefix) if p > 0]
+        for chunk in length_batches([prefix[k] for k in shared], max(1, batch_size // group)):
+            ks = [shared[j] for j in chunk]
+            ids, mask = padded([seqs[blocks[k][0]][0][: prefix[k]] for k in ks], pad_id)
+            # (row of the prefix in the cache, sequence) of every continuation of these
+            # blocks, continued in batches of similar continuation length (answers of 4 to
+            # 11 tokens padded to the longest of 256 wasted 40% of the positions), each from
+            # its own copy of the prefixes' cache expanded to its members.
+            members = [(g, i) for g, k in enumerate(ks) for i in blocks[k]]
+            rest = [len(seqs[i][0]) - prefix[ks[g]] for g, i in members]
+            parts = [
+                _part([(*seqs[members[j][1]], prefix[ks[members[j][0]]]) for j in part],
+                      [members[j][1] for j in part], pad_id,
+                      cache_rows=[members[j][0] for j in part])
+                for part in length_batches(rest, max(1, batch_size // _CONTINUATION_SPLIT))
+            ]  # fmt: skip
+            self._shared.append((ids, mask, parts))
+
+    def __call__(self, model) -> torch.Tensor:
+        """The log-probability sums under ``model`` (float64, on the CPU)."""
+        from transformers import DynamicCache
+
+        device = next(model.parameters()).device
+        out = torch.zeros(self.size, dtype=torch.float64)
+        for part in self._whole:
+            _score(model, part, device, out)
+        for ids, mask, parts in self._shared:
+            cache = DynamicCache()
+            mask = mask.to(device)
+            # Only the keys and values are wanted: the output layer runs at one position.
+            logits_at(model, ids.to(device), mask, torch.zeros(1, dtype=torch.long,
+                      device=device), past_key_values=cache, use_cache=True)  # fmt: skip
+            for n, part in enumerate(parts):
+                past = cache if n == len(parts) - 1 else copy.deepcopy(cache)
+                rows = part.cache_rows.to(device)
+                past.batch_select_indices(rows)
+                _score(model, part, device, out, past=(past, mask[rows]))
+        return out
 
 
 _CONTINUATION_SPLIT = 4  # continuation batches per prefix batch: a quarter of its sequences
@@ -155,36 +222,19 @@ def _common_prefix(block: Sequence[tuple[list[int], int]]) -> int:
 
 
 def _score(
-    model,
-    members: Sequence[tuple[tuple[list[int], int], int]],
-    index: Sequence[int],
-    pad_id: int,
-    device: torch.device,
-    out: torch.Tensor,
-    past: tuple | None = None,
+    model, part: _Part, device: torch.device, out: torch.Tensor, past: tuple | None = None
 ) -> None:
-    """``out[index[r]]``: the scored log-probability sum of ``members[r] = ((ids, first),
-    skip)``, whose first ``skip`` tokens are already in ``past = (cache, prefix mask)``."""
-    ids_t, mask = padded([ids[skip:] for (ids, _), skip in members], pad_id)
-    width = ids_t.shape[1]
-    rows, targets, owner = [], [], []
-    for r, ((ids, first), skip) in enumerate(members):
-        first = max(first, 1)
-        # Position t predicts token t + 1: the scored tokens first .. len - 1.
-        rows.extend(range(r * width + first - 1 - skip, r * width + len(ids) - 1 - skip))
-        targets.extend(ids[first:])
-        owner.extend([r] * (len(ids) - first))
+    """``out[part.index]``: each member's scored log-probability sum; its first tokens are
+    already in ``past = (cache, prefix mask)`` when given."""
+    mask = part.mask.to(device)
     inputs = {}
     if past is not None:
         cache, prefix_mask = past
-        skips = torch.tensor([skip for _, skip in members])
-        inputs = {"past_key_values": cache,
-                  "position_ids": (skips[:, None] + torch.arange(width)).to(device)}  # fmt: skip
+        inputs = {"past_key_values": cache, "position_ids": part.position_ids.to(device)}
         mask = torch.cat([prefix_mask, mask], dim=1)
-    as_index = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-    logits = logits_at(model, ids_t.to(device), mask.to(device), as_index(rows), **inputs)
+    logits = logits_at(model, part.ids.to(device), mask, part.rows.to(device), **inputs)
     logp = torch.log_softmax(logits.float(), dim=-1)
-    tok = logp.gather(1, as_index(targets).unsqueeze(1)).squeeze(1)
-    sums = torch.zeros(len(members), dtype=torch.float64, device=device)
-    sums.index_add_(0, as_index(owner), tok.double())
-    out[list(index)] = sums.cpu()
+    tok = logp.gather(1, part.targets.to(device).unsqueeze(1)).squeeze(1)
+    sums = torch.zeros(len(part.index), dtype=torch.float64, device=device)
+    sums.index_add_(0, part.owner.to(device), tok.double())
+    out[part.index] = sums.cpu()

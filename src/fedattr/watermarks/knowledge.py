@@ -34,7 +34,7 @@ import torch
 from scipy.stats import chi2, norm
 
 from ..models.lora import folded_adapters
-from ..models.reading import sequence_logprobs
+from ..models.reading import SequenceReader
 from ..models.text import format_prompt, generate
 from .fictitious import FictitiousEntity, qa_probes
 
@@ -196,6 +196,7 @@ class FKLikelihoodScorer:
                         first = len(head) if ids[: len(head)] == head else len(head) - 1
                         self._seqs.append((ids, first))
         self.shape = (len(self.owners), 4, questions, self.candidates)
+        self._reader = SequenceReader(self._seqs, self.pad_id, batch_size, group=self.candidates)
 
     @torch.no_grad()
     def observe(self, params: dict) -> torch.Tensor:
@@ -206,8 +207,7 @@ class FKLikelihoodScorer:
         self.model.eval()
         # Every question's candidate values share its prompt: read it once per question.
         with folded_adapters(self.model):
-            out = sequence_logprobs(self.model, self._seqs, self.pad_id, self.batch_size,
-                                    group=self.candidates)  # fmt: skip
+            out = self._reader(self.model)
         if was_training:
             self.model.train()
         return out.reshape(self.shape)
