@@ -178,8 +178,6 @@ class FKLikelihoodScorer:
         self.owners = sorted(self.entities)
         self.questions = questions
         self.candidates = 1 + decoys.pop()
-        self.batch_size = batch_size
-        self.pad_id = tokenizer.pad_token_id
         # Every (owner, attribute, question, candidate) as prompt ids + answer ids.
         self._seqs: list[tuple[list[int], int]] = []
         for owner in self.owners:
@@ -196,7 +194,8 @@ class FKLikelihoodScorer:
                         first = len(head) if ids[: len(head)] == head else len(head) - 1
                         self._seqs.append((ids, first))
         self.shape = (len(self.owners), 4, questions, self.candidates)
-        self._reader = SequenceReader(self._seqs, self.pad_id, batch_size, group=self.candidates)
+        self._reader = SequenceReader(self._seqs, tokenizer.pad_token_id, batch_size,
+                                      group=self.candidates)  # fmt: skip
 
     @torch.no_grad()
     def observe(self, params: dict) -> torch.Tensor:
