@@ -127,6 +127,23 @@ def test_epoch_batches_plain_and_grouped_by_length():
     assert firsts != sorted(firsts, reverse=True)
 
 
+def test_auto_dtype_is_bfloat16_only_on_a_cuda_device_that_has_it(tiny_cache, monkeypatch):
+    from fedattr.models.loading import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    for supported, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda supported=supported: supported)
+        assert resolve_dtype("auto", torch.device("cuda")) == dtype
+    monkeypatch.undo()
+    cfg = ModelConfig(preset="tiny", dtype="auto", device="cpu", cache_dir=str(tiny_cache),
+                      tiny=TinyModelConfig(**MICRO_TINY))  # fmt: skip
+    model, _ = load_model(cfg)
+    assert next(model.parameters()).dtype == torch.float32
+    with pytest.raises(ValueError, match=r"model\.dtype: must be float32, .* or auto"):
+        ModelConfig(dtype="fp8")
+
+
 def test_optimizer_options_fuse_adamw_on_cuda_only():
     from fedattr.models.training import optimizer_options
 

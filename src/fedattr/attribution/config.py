@@ -43,6 +43,13 @@ class AttributionConfig:
     """``paper``: 2M subset-sum queries per target, every target every round (as published).
     ``hardened``: one fused query per target, and only targets the SA release policy admits
     (rotating, seeded order); Stouffer runs over each client's targeted rounds."""
+    queries: str = "subsets"
+    """How a target's estimate is asked of SA in ``paper`` mode. ``subsets`` (the paper): its
+    ``2M`` subset sums, averaged by the server. ``fused``: one SA session for the combination
+    ``sum_j (c_j / M) Delta_j`` with the design's integer coefficients, which is the same
+    estimate (exact ring arithmetic instead of averaging decoded sums: equal up to float
+    rounding) while the subset sums behind it are never released. ``hardened`` mode always
+    fuses."""
     policy_attempts: int = 20
     """Designs tried per target (after release-policy refusals or failed queries) before the
     target is skipped for the round."""
@@ -85,6 +92,10 @@ class AttributionConfig:
             )
         if self.mode not in ("paper", "hardened"):
             raise DesignError(f"attribution.mode: must be paper or hardened, got {self.mode!r}")
+        if self.queries not in ("subsets", "fused"):
+            raise DesignError(
+                f"attribution.queries: must be subsets or fused, got {self.queries!r}"
+            )
         if self.scoring not in ("server", "owner"):
             raise DesignError(
                 f"attribution.scoring: must be server or owner, got {self.scoring!r}"

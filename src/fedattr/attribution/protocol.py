@@ -97,6 +97,8 @@ class Estimate:
     design: QueryDesign
     attempts: int
     sa_seconds: float
+    fused: bool = False
+    """Asked as one fused SA query (else as the design's ``2M`` subset sums)."""
 
 
 @dataclass
@@ -238,7 +240,9 @@ class FedAttr:
                 plans.append((target, designs))
             if not plans:
                 break
-            groups = [QueryGroup([design_queries(d, hardened) for d in ds]) for _, ds in plans]
+            groups = [
+                QueryGroup([design_queries(d, self._fused(d, sa)) for d in ds]) for _, ds in plans
+            ]
             answers = sa.run_queries(groups)
             out.batches += 1
             pending = []
@@ -247,8 +251,11 @@ class FedAttr:
                 if answer.results is not None:
                     st.attempts += answer.chosen + 1
                     design = designs[answer.chosen]
-                    flat = combine_answers(design, answer.results, hardened)
-                    done[target] = Estimate(target, flat, design, st.attempts, answer.seconds)
+                    fused = self._fused(design, sa)
+                    flat = combine_answers(design, answer.results, fused)
+                    done[target] = Estimate(
+                        target, flat, design, st.attempts, answer.seconds, fused
+                    )
                 elif answer.missing:
                     # Nothing was released; redraw without the clients that did not answer.
                     st.attempts += answer.refusals + 1
@@ -263,6 +270,19 @@ class FedAttr:
         out.skipped = [t for t in order if t in skipped]
         out.dropouts = sorted(seen_missing | set(sa.offline))
         return out
+
+    def _fused(self, design: QueryDesign, sa: SecureAggregator) -> bool:
+        """Whether ``design``'s estimate is asked as one fused query: always in hardened mode
+        (its release policy picks among alternative designs); with ``queries = "fused"`` where
+        the clients with a nonzero coefficient reach the SA threshold. Below it SA would refuse
+        the combination, and the design's 2M subset sums (each of N or N+1 clients) give the
+        same estimate, so the design is kept and the draws stay those of a subsets run."""
+        if self.config.mode == "hardened":
+            return True
+        if self.config.queries != "fused":
+            return False
+        support = sum(1 for c in design.integer_coefficients().values() if c)
+        return support >= sa.min_members
 
     def score_round(
         self,
@@ -377,13 +397,13 @@ class FedAttr:
         for stat, value in z.items():
             self.scores.setdefault(stat, {}).setdefault(est.target, {})[record.round] = value
         design = est.design
-        hardened = self.config.mode == "hardened"
+        fused = est.fused
         target = TargetRecord(
             round=record.round, target=est.target, z=z, c=design.stats.c,
             m_eff=design.stats.m_eff, threshold=design.stats.threshold, redraws=design.redraws,
-            queries=1 if hardened else design.queries, U=[list(u) for u in design.U],
+            queries=1 if fused else design.queries, U=[list(u) for u in design.U],
             V=[list(v) for v in design.V], sa_seconds=est.sa_seconds, score_seconds=seconds,
-            fused=hardened, attempts=est.attempts, effective_contexts=contexts,
+            fused=fused, attempts=est.attempts, effective_contexts=contexts,
         )  # fmt: skip
         record.targets.append(target)
         if on_target is not None:

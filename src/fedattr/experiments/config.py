@@ -149,7 +149,7 @@ PRESET_OVERRIDES: dict[str, list[str]] = {
     "tiny": [],
     "smollm2": [
         "model.preset=smollm2-135m",
-        "model.dtype=bfloat16",
+        "model.dtype=auto",
         "data.max_len=512",
         "data.records=5000",
         "fl.train.batch_size=16",

@@ -45,12 +45,21 @@ def smollm2_gguf() -> Path:
     return path
 
 
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``model.dtype`` as a torch dtype; ``auto`` is bfloat16 on a CUDA device that supports
+    it, float32 elsewhere."""
+    if name == "auto":
+        fast = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if fast else torch.float32
+    return _DTYPES[name]
+
+
 def load_model(cfg: ModelConfig, progress: Callable[[str], None] | None = None):
     """``(model, tokenizer)`` on the configured device, in eval mode, with a pad token set."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = _DTYPES[cfg.dtype]
     device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     kwargs: dict = {}
     if cfg.preset == "tiny":
         source = str(ensure_tiny(cfg.tiny, cfg.cache_dir or None, progress))
