@@ -94,15 +94,17 @@ def _z(result):
     return {c.id: (c.z, c.Z, c.p, c.flagged) for c in result.report.clients}
 
 
-def _demo(**synthetic):
+def _demo(queries="subsets", **synthetic):
     return load(DemoConfig, None, [
         *(f"synthetic.{k}={v}" for k, v in synthetic.items()),
         "attribution.N=2", "attribution.M=2", "secagg.min_members=2",
+        f"attribution.queries={queries}",
     ])  # fmt: skip
 
 
-def test_synthetic_federation_on_supernodes_equals_the_in_process_run(tmp_path):
-    cfg = _demo(K=5, rounds=2, dim=64, r=2)
+@pytest.mark.parametrize("queries", ["subsets", "fused"])
+def test_synthetic_federation_on_supernodes_equals_the_in_process_run(tmp_path, queries):
+    cfg = _demo(queries, K=5, rounds=2, dim=64, r=2)
     grid = LocalGrid(range(5))
     folder = _claimed(tmp_path, cfg)
     remote = serve(grid, {"run-folder": str(folder.path), "command": "demo", "timeout": 30},
@@ -115,6 +117,9 @@ def test_synthetic_federation_on_supernodes_equals_the_in_process_run(tmp_path):
     assert [{k: v for k, v in q.items() if k not in strip} for q in remote.queries] == [
         {k: v for k, v in q.items() if k not in strip} for q in local.queries
     ]
+    # per round: the aggregate, then 2M subset sums or one fused combination per target
+    per_target = 1 if queries == "fused" else 2 * cfg.attribution.M
+    assert len(local.queries) == cfg.synthetic.rounds * (1 + per_target * cfg.synthetic.K)
     # no message from a client carried an update: only keys, layouts, masked vectors
     kinds = {m.metadata.message_type for m in grid.sent}
     assert kinds == {"query.register", "train", "query.sa_batch"}
