@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedattr.watermarks.kgw import KGWDetector, KGWLogitsProcessor, KGWScheme
+from fedattr.watermarks.kgw import SCHEMES, KGWDetector, KGWLogitsProcessor, KGWScheme
 
 V = 500
 
@@ -70,3 +70,17 @@ def test_processor_bias_is_each_rows_green_mask_with_or_without_its_cache():
         assert torch.equal(cached(prevs, scores), expect)
         assert torch.equal(uncached(prevs, scores), expect)
     assert len(cached._on_device) == 2 and not uncached._on_device
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_green_masks_of_many_new_contexts_at_once_are_each_contexts_mask(name):
+    make = SCHEMES[name]
+    one_by_one, together = make(11, 997), make(11, 997)
+    together.green_mask(5)  # a context seen before, beside new ones and repeats
+    prevs = [5, 3, 996, 3, 0, 42, 5, *range(100, 160)]
+    expect = torch.stack([one_by_one.green_mask(p) for p in prevs])
+    assert torch.equal(together.green_masks(prevs), expect)
+    assert set(together._cache) == set(prevs)
+    assert torch.equal(together.green_masks(prevs[::-1]), expect.flip(0))  # from the cache now
+    assert together.green_masks([]).shape == (0, 997)
+    assert int(expect[1].sum()) == together.green_size

@@ -154,7 +154,7 @@ class KGWReadingScorer:
             self._batches.append(_ReadBatch(ids, mask, rows,
                                             torch.cat([groups[i] for i in idx])))  # fmt: skip
         self.green = {
-            name: torch.stack([s.green_mask(int(x)) for x in contexts.tolist()])
+            name: s.green_masks(contexts.tolist())
             for name, s in schemes.items()
         }
         m = next(iter(schemes.values())).green_size
