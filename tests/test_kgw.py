@@ -84,3 +84,18 @@ def test_green_masks_of_many_new_contexts_at_once_are_each_contexts_mask(name):
     assert torch.equal(together.green_masks(prevs[::-1]), expect.flip(0))  # from the cache now
     assert together.green_masks([]).shape == (0, 997)
     assert int(expect[1].sum()) == together.green_size
+
+
+def test_green_masks_in_a_forked_child_do_not_wait_on_the_parents_threads():
+    import os
+    import signal
+
+    KGWScheme(1, 4096).green_masks(range(50))  # the parent's pool exists and has threads
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports by its exit status
+        signal.alarm(30)  # a child stuck on threads it did not inherit dies instead of hanging
+        ok = torch.equal(KGWScheme(2, 4096).green_masks([3, 4]), torch.stack(
+            [KGWScheme(2, 4096).green_mask(3), KGWScheme(2, 4096).green_mask(4)]))  # fmt: skip
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

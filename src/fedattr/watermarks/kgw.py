@@ -20,6 +20,7 @@ import functools
 import hashlib
 import itertools
 import math
+import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ from scipy.stats import norm
 
 
 @functools.cache
-def _mask_pool(workers: int) -> ThreadPoolExecutor:
-    """One pool per thread count, kept for the process (threads idle between steps)."""
+def _mask_pool(workers: int, pid: int) -> ThreadPoolExecutor:
+    """One pool per thread count and process, kept (threads idle between steps). Keyed by
+    the process id: a forked child inherits the pool object but not its threads."""
     return ThreadPoolExecutor(workers, thread_name_prefix="fedattr-green")
 
 
@@ -85,7 +87,7 @@ class KGWScheme:
         missing = [p for p in dict.fromkeys(int(p) for p in prev_tokens) if p not in self._cache]
         if len(missing) < 2:
             return {}
-        pool = _mask_pool(max(1, torch.get_num_threads()))
+        pool = _mask_pool(max(1, torch.get_num_threads()), os.getpid())
         fresh = dict(zip(missing, pool.map(self._fresh_mask, missing), strict=True))
         for p, mask in fresh.items():
             self._keep(p, mask)
