@@ -167,6 +167,13 @@ def test_null_keys_batched_cached_and_streamed_agree(reading_setup):
     kept = kept.sums(changes)
     assert torch.allclose(kept, redrawn.sums(changes))
     assert torch.allclose(kept, redrawn.sums(changes))  # and again: the same keys every round
+    # Redrawn a few keys at a time (a large vocabulary): the same keys, in bounded memory.
+    blocked = RandomGreenLists(40, 3, cells, 0.25, cache_bytes=0, draw_bytes=9 * cells * 3)
+    assert blocked._rows == 3 and [len(b) for b in blocked._blocks(0)] == [3] * 5 + [1]
+    assert all(torch.equal(torch.cat(list(blocked._blocks(i))), redrawn._chunk(i))
+               for i in range(3))  # fmt: skip
+    # (float32 products of other shapes: the same sums up to rounding)
+    assert torch.allclose(blocked.sums(changes), kept, rtol=1e-4, atol=1e-6)
     # A mask is a Bernoulli(gamma) draw: about a quarter of the cells of every key are green.
     share = redrawn._chunk(0).float().mean(1)
     assert torch.all((share - 0.25).abs() < 0.05)

@@ -20,12 +20,14 @@ different streams: the keys, and so the last digits of a p-value, depend on the 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 _CHUNK = 16  # keys per generator and per matrix product
 _CACHE_BYTES = 512 << 20  # keep the masks when they fit, else redraw each round
+_DRAW_BYTES = 1 << 30  # transient memory of one redrawn block (uniforms, bools, floats)
 
 
 class RandomGreenLists:
@@ -34,7 +36,8 @@ class RandomGreenLists:
     :meth:`sums` evaluates ``<change, mask_k>`` for a batch of flat changes and every key ``k``
     in one pass over the masks. The masks are kept between rounds when they fit
     ``cache_bytes``: as the float32 the matrix product reads when ``4 n rows vocab`` bytes fit
-    (a round is then only the product), else as bools (converted each round), else redrawn.
+    (a round is then only the product), else as bools (converted each round), else redrawn
+    every round, as many keys at a time as keep the draw within ``draw_bytes``.
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class RandomGreenLists:
         gamma: float,
         device: torch.device | str = "cpu",
         cache_bytes: int = _CACHE_BYTES,
+        draw_bytes: int = _DRAW_BYTES,
     ) -> None:
         if n < 1:
             raise ValueError(f"attribution.null_keys: must be >= 1, got {n}")
@@ -54,6 +58,11 @@ class RandomGreenLists:
         self.gamma = gamma
         self.device = torch.device(device)
         self.cache_bytes = cache_bytes
+        # Keys drawn together when redrawn: a whole chunk where its 9 bytes per cell fit
+        # draw_bytes, else fewer, down to one (a large vocabulary: 1,300 contexts x 49,152
+        # tokens are 9 GB per 16 keys). Rows come from the chunk's generator in order, so on
+        # the CPU the keys are those of a one-piece draw.
+        self._rows = max(1, min(_CHUNK, draw_bytes // max(1, 9 * cells)))
         self._dtype = torch.float32 if 4 * n * cells <= cache_bytes else torch.bool
         self._cached = n * cells * self._dtype.itemsize <= cache_bytes
         self._masks: list[torch.Tensor] = []
@@ -69,11 +78,17 @@ class RandomGreenLists:
 
     def _draw(self, index: int) -> torch.Tensor:
         """Chunk ``index``'s masks from its own generator (as cached when cached)."""
+        mask = torch.cat(list(self._blocks(index)))
+        return mask.to(self._dtype) if self._cached else mask
+
+    def _blocks(self, index: int) -> Iterator[torch.Tensor]:
+        """Chunk ``index``'s masks as bool blocks of at most ``self._rows`` keys, in order."""
         keys = min(_CHUNK, self.n - index * _CHUNK)
         gen = torch.Generator(device=self.device)
         gen.manual_seed((self.seed * 1_000_003 + index) % (1 << 63))
-        mask = torch.rand((keys, self.cells), generator=gen, device=self.device) < self.gamma
-        return mask.to(self._dtype) if self._cached else mask
+        for start in range(0, keys, self._rows):
+            rows = min(self._rows, keys - start)
+            yield torch.rand((rows, self.cells), generator=gen, device=self.device) < self.gamma
 
     def sums(self, changes: torch.Tensor) -> torch.Tensor:
         """``[batch, n]`` float64: each flat change (``[batch, cells]``) summed over every
@@ -93,5 +108,12 @@ class RandomGreenLists:
                 self._masks = list(pool.map(self._draw, range(chunks)))
         # changes @ masks^T, both row-major along the cells: the long inner dimension is
         # contiguous in both operands (1.8x faster on a CPU than masks @ changes^T).
-        out = [values @ self._chunk(index).to(torch.float32).T for index in range(chunks)]
+        if self._cached:
+            out = [values @ self._chunk(index).to(torch.float32).T for index in range(chunks)]
+        else:  # redrawn a block at a time: never more than draw_bytes in flight
+            out = [
+                values @ block.to(torch.float32).T
+                for index in range(chunks)
+                for block in self._blocks(index)
+            ]
         return torch.cat(out, dim=1).double()
