@@ -168,7 +168,8 @@ def test_null_keys_batched_cached_and_streamed_agree(reading_setup):
     assert torch.allclose(kept, redrawn.sums(changes))
     assert torch.allclose(kept, redrawn.sums(changes))  # and again: the same keys every round
     # Redrawn a few keys at a time (a large vocabulary): the same keys, in bounded memory.
-    blocked = RandomGreenLists(40, 3, cells, 0.25, cache_bytes=0, draw_bytes=9 * cells * 3)
+    budget = 9 * cells * 3 * torch.get_num_threads()  # 3 keys per draw on each CPU thread
+    blocked = RandomGreenLists(40, 3, cells, 0.25, cache_bytes=0, draw_bytes=budget)
     assert blocked._rows == 3 and [len(b) for b in blocked._blocks(0)] == [3] * 5 + [1]
     assert all(torch.equal(torch.cat(list(blocked._blocks(i))), redrawn._chunk(i))
                for i in range(3))  # fmt: skip

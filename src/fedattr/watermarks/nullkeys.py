@@ -58,11 +58,13 @@ class RandomGreenLists:
         self.gamma = gamma
         self.device = torch.device(device)
         self.cache_bytes = cache_bytes
-        # Keys drawn together when redrawn: a whole chunk where its 9 bytes per cell fit
-        # draw_bytes, else fewer, down to one (a large vocabulary: 1,300 contexts x 49,152
-        # tokens are 9 GB per 16 keys). Rows come from the chunk's generator in order, so on
-        # the CPU the keys are those of a one-piece draw.
-        self._rows = max(1, min(_CHUNK, draw_bytes // max(1, 9 * cells)))
+        # Redrawn keys: on the CPU several chunks at once (one serial generator each), and
+        # per chunk as many keys together as keep every draw in flight within draw_bytes
+        # (9 bytes a cell: a large vocabulary's 1,300 contexts x 49,152 tokens are 9 GB per 16
+        # keys). Rows come from the chunk's generator in order, so on the CPU the keys are
+        # those of a one-piece draw.
+        self._parallel = torch.get_num_threads() if self.device.type == "cpu" else 1
+        self._rows = max(1, min(_CHUNK, draw_bytes // self._parallel // max(1, 9 * cells)))
         self._dtype = torch.float32 if 4 * n * cells <= cache_bytes else torch.bool
         self._cached = n * cells * self._dtype.itemsize <= cache_bytes
         self._masks: list[torch.Tensor] = []
@@ -111,9 +113,10 @@ class RandomGreenLists:
         if self._cached:
             out = [values @ self._chunk(index).to(torch.float32).T for index in range(chunks)]
         else:  # redrawn a block at a time: never more than draw_bytes in flight
-            out = [
-                values @ block.to(torch.float32).T
-                for index in range(chunks)
-                for block in self._blocks(index)
-            ]
+
+            def chunk_sums(index: int) -> torch.Tensor:
+                return torch.cat([values @ b.to(torch.float32).T for b in self._blocks(index)], 1)
+
+            with ThreadPoolExecutor(max(1, min(self._parallel, chunks))) as pool:
+                out = list(pool.map(chunk_sums, range(chunks)))
         return torch.cat(out, dim=1).double()
