@@ -300,3 +300,25 @@ def test_overlapped_scoring_gives_the_same_results_and_whole_round_checkpoints()
     engine2.restore(saved[1])
     engine2.run(pool2.initial_params())
     assert _Z(again.fedattr) == _Z(inline.fedattr)
+
+
+def test_a_folder_written_before_a_setting_existed_is_read_with_its_default(tmp_path):
+    from fedattr.config import to_dict
+    from fedattr.reporting.run_folder import CONFIG, RunFolder
+
+    cfg = DemoConfig(synthetic=SyntheticConfig(dim=32, rounds=1))
+    run_demo(cfg).write(tmp_path / "old")
+    saved = json.loads((tmp_path / "old" / CONFIG).read_text())
+    del saved["attribution"]["queries"]  # as a version without that setting wrote it
+    (tmp_path / "old" / CONFIG).write_text(json.dumps(saved))
+    folder = RunFolder(tmp_path / "old")
+    assert folder.claim(cfg, reuse=True) == "finished"  # the default is what it ran with
+    with pytest.raises(UserError, match="another configuration"):
+        folder.claim(to_dict(cfg), reuse=True)  # a plain dict is compared as saved
+    fused = DemoConfig(synthetic=cfg.synthetic, attribution=AttributionConfig(queries="fused"))
+    with pytest.raises(UserError, match="another configuration"):
+        folder.claim(fused, reuse=True)
+    saved["attribution"]["renamed"] = 1  # a setting this version does not know: different
+    (tmp_path / "old" / CONFIG).write_text(json.dumps(saved))
+    with pytest.raises(UserError, match="another configuration"):
+        folder.claim(cfg, reuse=True)

@@ -132,8 +132,12 @@ def test_auto_dtype_is_bfloat16_only_on_a_cuda_device_that_has_it(tiny_cache, mo
 
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
-    for supported, dtype in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda supported=supported: supported)
+    for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        # torch counts emulated bf16 (pre-Ampere GPUs) as supported unless told not to
+        def fake(including_emulation=True, native=native):
+            return True if including_emulation else native
+
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", fake)
         assert resolve_dtype("auto", torch.device("cuda")) == dtype
     monkeypatch.undo()
     cfg = ModelConfig(preset="tiny", dtype="auto", device="cpu", cache_dir=str(tiny_cache),

@@ -176,6 +176,16 @@ def test_paper_mode_with_fused_queries_gives_the_same_attribution(tmp_path):
     assert fused.sa_queries == 2 * (K + 1) - 1 + 2 * M
     assert subsets.sa_queries == 2 * (2 * M * K + 1)
     assert fused.report.flagged == subsets.report.flagged
+    # A ring too small for some combinations: those targets are asked as subset sums.
+    ring = SecAggConfig(backend="plaintext", ring_bits=32, frac_bits=16, clip=1900.0)
+    assert ring.codec().max_members() == 17  # |coefficients| sum to 11-23 here
+    small = run_demo(DemoConfig(synthetic=syn, secagg=ring, attribution=cfg.attribution), **QUIET)
+    asked = [t["fused"] for r in small.rounds for t in r["targets"]]
+    assert 0 < sum(asked) < len(asked)
+    for r, s in zip(fused.rounds, small.rounds, strict=True):
+        for tf, ts in zip(r["targets"], s["targets"], strict=True):
+            for stat, z in tf["z"].items():
+                assert ts["z"][stat] == pytest.approx(z, rel=1e-3, abs=1e-6)  # 16 fraction bits
     # The K estimates still determine every update (the README's Finding 1).
     fused.write(tmp_path / "fused")
     assert [r.recoverable for r in audit_run(tmp_path / "fused")] == [list(range(K))] * 2

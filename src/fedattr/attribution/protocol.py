@@ -274,15 +274,17 @@ class FedAttr:
     def _fused(self, design: QueryDesign, sa: SecureAggregator) -> bool:
         """Whether ``design``'s estimate is asked as one fused query: always in hardened mode
         (its release policy picks among alternative designs); with ``queries = "fused"`` where
-        the clients with a nonzero coefficient reach the SA threshold. Below it SA would refuse
-        the combination, and the design's 2M subset sums (each of N or N+1 clients) give the
-        same estimate, so the design is kept and the draws stay those of a subsets run."""
+        SA admits the combination: the clients with a nonzero coefficient reach its threshold
+        and the coefficients' absolute sum fits its ring (a subset sum needs only N + 1 values
+        to fit; the combination up to M (2N + 1)). Where it does not, the design's 2M subset
+        sums give the same estimate, so the design is kept and the draws stay those of a
+        subsets run."""
         if self.config.mode == "hardened":
             return True
         if self.config.queries != "fused":
             return False
-        support = sum(1 for c in design.integer_coefficients().values() if c)
-        return support >= sa.min_members
+        coefs = [abs(c) for c in design.integer_coefficients().values() if c]
+        return len(coefs) >= sa.min_members and sum(coefs) <= sa.codec.max_members()
 
     def score_round(
         self,

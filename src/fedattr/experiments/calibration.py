@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import beta, binom, norm
 
-from ..config import load, to_dict
+from ..config import load
 from ..errors import UserError
 from ..reporting.markdown import table
 from ..reporting.run_folder import RunFolder
@@ -77,7 +77,7 @@ def run_calibration(
         folder = out / f"r{r}-seed{seed}"
         if isinstance(cfg, DemoConfig):
             run_folder = RunFolder(folder)
-            if run_folder.claim(to_dict(cfg), reuse=True) != "finished":
+            if run_folder.claim(cfg, reuse=True) != "finished":
                 run_demo(cfg, progress=lambda _m: None).write(run_folder)
         else:
             run_or_reuse(cfg, folder, lambda m, i=i: say(f"[{i}/{len(plan)}] {m}"))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import load, to_dict
+from ..config import load
 from ..errors import UserError
 from ..reporting.markdown import table
 from ..reporting.run_folder import RunFolder
@@ -91,7 +91,7 @@ def run_or_reuse(
     finished run already there: ``None`` then. A run of another configuration there is an
     error naming ``--out``. ``progress`` hears ``"<folder>: running"`` before a run starts."""
     run_folder = RunFolder(folder)
-    if run_folder.claim(to_dict(cfg), reuse=True) == "finished":
+    if run_folder.claim(cfg, reuse=True) == "finished":
         return None
     if progress is not None:
         progress(f"{folder.name}: running")

@@ -23,7 +23,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from ..config import load, to_dict
+from ..config import load
 from ..errors import UserError
 from ..reporting.run_folder import RunFolder
 from ..runtime import set_threads
@@ -48,7 +48,7 @@ def _config(run_config: Mapping[str, Any], folder: RunFolder, command: str) -> A
     path = run_config.get("config")
     if path:
         cfg = load(RunConfig if command == "run" else DemoConfig, str(path))
-        if folder.claim(to_dict(cfg), reuse=True) == "finished":
+        if folder.claim(cfg, reuse=True) == "finished":
             raise UserError(f"run-folder: {str(folder.path)!r} holds a finished run of this "
                             "configuration; choose another run-folder")  # fmt: skip
         return cfg

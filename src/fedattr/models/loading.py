@@ -49,7 +49,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``model.dtype`` as a torch dtype; ``auto`` is bfloat16 on a CUDA device that supports
     it, float32 elsewhere."""
     if name == "auto":
-        fast = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        # Not emulated: a pre-Ampere GPU "supports" bf16 tensors but computes them slowly.
+        fast = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
         return torch.bfloat16 if fast else torch.float32
     return _DTYPES[name]
 

@@ -8,6 +8,7 @@ same one-line errors, and never overwrite a run's files before refusing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from ..attribution.audit import RoundAudit, audit_file
+from ..config import from_dict, to_dict
 from ..data.loaders import json_lines
 from ..errors import UserError
 
@@ -95,14 +97,31 @@ class RunFolder:
                 "is damaged: choose another folder or remove it"
             ) from exc
 
-    def claim(self, config: dict, *, reuse: bool = False) -> str:
+    def _saved_as(self, kind: type | None) -> Any:
+        """The saved configuration, read as ``kind`` when given (defaults for settings it
+        lacks); one that ``kind`` cannot read is returned as saved (so it differs)."""
+        saved = self.saved_config()
+        if kind is None:
+            return saved
+        try:
+            return _plain(to_dict(from_dict(kind, saved)))
+        except UserError:
+            return saved
+
+    def claim(self, config: Any, *, reuse: bool = False) -> str:
         """Take the folder for a run of ``config`` before any work starts.
 
         Returns ``"new"`` (configuration written), ``"resume"`` (an unfinished run of the same
         configuration) or ``"finished"`` (a finished run of it). Without ``reuse`` only a new
         folder is accepted; with it (experiments) a run of the same configuration is resumed or
         kept. Anything else is refused with one line, and nothing in the folder is touched.
+        ``config``: a dict, or a typed configuration (dataclass); with the latter, a folder
+        written before a setting existed is read with that setting's default (as a config
+        file without it would be), so an experiment re-run after an upgrade keeps its runs.
         """
+        kind = type(config) if dataclasses.is_dataclass(config) else None
+        if kind is not None:
+            config = to_dict(config)
         status = self.status
         where = repr(str(self.path))
         if status == "foreign":
@@ -111,7 +130,7 @@ class RunFolder:
                 "choose a new or empty folder"
             )
         if status != "new":
-            if self.saved_config() != _plain(config):
+            if self._saved_as(kind) != _plain(config):
                 raise UserError(
                     f"{self.option}: {where} holds a run with another configuration; "
                     f"choose another {self.option} or remove it"
