@@ -111,7 +111,9 @@ def test_bench_pipeline_reports_every_stage_from_the_run(tiny_cache, tmp_path, c
     assert st["scoring"]["models"] == 1 + 4
     assert st["teacher"]["documents"] == sum(res["federation"]["watermarked_docs"].values())
     assert fig["parameters"] > 0 and fig["device"] == "cpu" and st["training"]["mfu"] is None
+    assert fig["dtype"] == res["model"]["dtype"] == "float32"
     assert "tokens/s" in (out / "pipeline.md").read_text()
+    assert "(CPU, float32)" in (out / "pipeline.md").read_text()
     # A second call reuses the finished run; bad input is one line.
     assert main(args) == 0 and json.loads(capsys.readouterr().out) == fig
     assert main(["bench", "pipeline", "--rounds", "0"]) == 2

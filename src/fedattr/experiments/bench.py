@@ -175,6 +175,7 @@ def pipeline_figures(results: dict) -> dict:
     return {
         "device": model.get("device"),
         "gpu": model.get("gpu"),
+        "dtype": model.get("dtype"),
         "parameters": int(params),
         "stages": stages,
         "overhead": t["overhead"],
@@ -203,9 +204,10 @@ def format_pipeline(fig: dict) -> str:
          f"{f(sc['models_per_s'], '.2f')} models/s"],
     ]  # fmt: skip
     where = fig["gpu"] or "CPU"
+    dtype = f", {fig['dtype']}" if fig.get("dtype") else ""
     foot = (
-        f"\nDevice: {fig['device']} ({where}); {fig['parameters']:,} model parameters; total "
-        f"{fig['total_s']:.1f} s; FedAttr overhead (SA + scoring) / training: "
+        f"\nDevice: {fig['device']} ({where}{dtype}); {fig['parameters']:,} model parameters; "
+        f"total {fig['total_s']:.1f} s; FedAttr overhead (SA + scoring) / training: "
         f"{100 * fig['overhead']:.1f}%"
     )
     return table(["stage", "seconds", "work", "throughput"], rows) + "\n" + foot

@@ -298,6 +298,8 @@ def run_experiment(
             "parameters": sum(p.numel() for p in model.parameters()),
             "device": str(next(model.parameters()).device),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            # what model.dtype resolved to (auto: bfloat16 only on a GPU computing in it)
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         },
     }
     baselines = recorder.results(truth) if cfg.baselines else []
