@@ -212,7 +212,8 @@ class FedAttr:
         seen_missing: set[int] = set()
         pending = order
         while pending:
-            plans: list[tuple[int, list[QueryDesign]]] = []
+            # (target, its alternative designs, whether each is asked as one fused query)
+            plans: list[tuple[int, list[QueryDesign], list[bool]]] = []
             for target in pending:
                 st = targets[target]
                 available = [p for p in participants if p not in st.missing]
@@ -237,24 +238,24 @@ class FedAttr:
                     )
                     for _ in range(n)
                 ]
-                plans.append((target, designs))
+                plans.append((target, designs, [self._fused(d, sa) for d in designs]))
             if not plans:
                 break
             groups = [
-                QueryGroup([design_queries(d, self._fused(d, sa)) for d in ds]) for _, ds in plans
+                QueryGroup([design_queries(d, f) for d, f in zip(ds, fs, strict=True)])
+                for _, ds, fs in plans
             ]
             answers = sa.run_queries(groups)
             out.batches += 1
             pending = []
-            for (target, designs), answer in zip(plans, answers, strict=True):
+            for (target, designs, fused), answer in zip(plans, answers, strict=True):
                 st = targets[target]
                 if answer.results is not None:
                     st.attempts += answer.chosen + 1
-                    design = designs[answer.chosen]
-                    fused = self._fused(design, sa)
-                    flat = combine_answers(design, answer.results, fused)
+                    design, as_one = designs[answer.chosen], fused[answer.chosen]
+                    flat = combine_answers(design, answer.results, as_one)
                     done[target] = Estimate(
-                        target, flat, design, st.attempts, answer.seconds, fused
+                        target, flat, design, st.attempts, answer.seconds, as_one
                     )
                 elif answer.missing:
                     # Nothing was released; redraw without the clients that did not answer.
