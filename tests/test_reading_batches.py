@@ -245,6 +245,26 @@ def test_shared_prompts_are_read_once_with_the_same_log_probabilities(micro):
     assert torch.allclose(mixed, want, atol=1e-4)
 
 
+def test_a_forked_prefix_cache_shares_its_tensors_and_leaves_them_intact():
+    """Each continuation batch of a shared prompt reads from a fork of the prompt's cache: the
+    fork holds the same key/value tensors (no copy), and selecting rows of it and appending
+    to it never changes the prompt's cache that later batches read."""
+    from transformers import DynamicCache
+
+    from fedattr.models.reading import _fork
+
+    cache = DynamicCache()
+    keys, values = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
+    cache.update(keys.clone(), values.clone(), 0)
+    fork = _fork(cache)
+    assert fork.layers[0].keys is cache.layers[0].keys
+    fork.batch_select_indices(torch.tensor([2, 0]))
+    fork.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4), 0)
+    assert torch.equal(cache.layers[0].keys, keys) and torch.equal(cache.layers[0].values, values)
+    assert torch.equal(fork.layers[0].keys[:, :, :5], keys[[2, 0]])
+    assert fork.layers[0].keys.shape == (2, 2, 6, 4)
+
+
 def test_folded_adapters_read_what_the_adapters_give_and_touch_nothing(micro):
     """Inside ``folded_adapters`` each adapted module is one linear with W + s·B·A: the same
     logits up to float rounding, the model's tensors untouched (micro ties lm_head to the
