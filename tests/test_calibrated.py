@@ -1,16 +1,22 @@
 """The calibrated statistic: key randomisation, cross-talk undone, family-wise flags."""
 
+import copy
+
 import numpy as np
 import pytest
+import torch
 from scipy.stats import norm
 from scipy.stats import t as student_t
 
 from fedattr.attribution import AttributionConfig, FedAttr, LinearScorer, draw_design
 from fedattr.attribution.calibrated import CalibratedNull
+from fedattr.attribution.scoring import DEFAULT_STATISTIC
 from fedattr.cli import main
 from fedattr.config import ConfigError, load
+from fedattr.errors import UserError
 from fedattr.experiments.config import DemoConfig, RunConfig
 from fedattr.experiments.run import run_demo
+from fedattr.secagg import SecAggConfig, make_aggregator
 
 PAPER = 'variants=[{"name": "paper", "statistic": "paper"}]'
 REALISTIC = ["synthetic.common=1.0", "synthetic.heterogeneity=0.5", "synthetic.dim=256",
@@ -70,6 +76,64 @@ def test_decorrelation_recovers_each_clients_own_statistic():
     partial = CalibratedNull(decorrelate=True)
     partial.add_round(1, list(range(K)), [0, 1], designs[:2], stats[:2])
     assert partial.decorrelated[1] is False
+
+
+def test_a_round_under_other_random_keys_is_refused_before_anything_is_added():
+    """Each random key's sum over rounds is one replicate of the null only if it is the same
+    key every round: a run resumed on a machine that draws other keys (CPU vs CUDA) stops."""
+    rng = np.random.default_rng(1)
+    K = 6
+    designs = [draw_design(range(K), i, 3, 3, rng) for i in range(K)]
+
+    def add(null, round_id, keys):
+        stats = [{"o": (float(x), rng.normal(size=5))} for x in rng.normal(size=K)]
+        null.add_round(round_id, list(range(K)), list(range(K)), designs, stats, keys=keys)
+
+    null = CalibratedNull()
+    add(null, 1, {"o": "3f2a"})
+    add(null, 2, {"o": "3f2a"})
+    add(null, 3, {"o": None})  # a scorer whose null does not depend on the machine
+    saved = copy.deepcopy(null.state())
+    resumed = CalibratedNull()
+    resumed.load(copy.deepcopy(saved))
+    with pytest.raises(UserError, match=r"attribution\.null_keys: round 4 of owner 'o' .*"
+                                        r"other random keys \(9b1c\) .* \(3f2a\)"):
+        add(resumed, 4, {"o": "9b1c"})
+    assert all(np.array_equal(resumed.sums[c]["o"], saved["sums"][c]["o"]) for c in range(K))
+    assert 4 not in resumed.decorrelated and 4 not in resumed.per_round[0]["o"]
+    add(resumed, 4, {"o": "3f2a"})  # the same keys again: the run goes on
+    # A checkpoint from before keys were named accepts the keys it meets first.
+    older = CalibratedNull()
+    older.load({k: v for k, v in copy.deepcopy(saved).items() if k != "keys"})
+    add(older, 4, {"o": "9b1c"})
+    assert older.keys == {"o": "9b1c"}
+
+
+class _NamedKeys(LinearScorer):
+    """The synthetic scorer, drawing its null keys "on a machine" named ``machine``."""
+
+    machine = "cpu"
+
+    def null_identity(self) -> str:
+        return self.machine
+
+
+def test_fedattr_checks_the_scorers_random_keys_against_its_earlier_rounds():
+    fed = FedAttr(AttributionConfig(N=3, M=3))
+    scorer = _NamedKeys(torch.ones(4))
+
+    def round_(t):
+        sa = make_aggregator(SecAggConfig(backend="plaintext", min_members=3))
+        sa.open_round(t, range(6))
+        for j in range(6):
+            sa.submit(j, torch.randn(4, dtype=torch.float64))
+        return fed.attribute_round(t, sa, torch.zeros(4, dtype=torch.float64), scorer)
+
+    round_(1)
+    assert fed.calibrated.keys == {DEFAULT_STATISTIC: "cpu"}
+    scorer.machine = "cuda"
+    with pytest.raises(UserError, match=r"attribution\.null_keys: round 2"):
+        round_(2)
 
 
 def test_calibrated_p_is_exact_by_rank_and_t_tail_beyond_it():

@@ -76,6 +76,15 @@ def test_deployed_workflow_gives_the_simulations_verdicts(tiny_cache, owner_file
         assert a["id"] == b["id"] and a["flagged"] == b["flagged"]
         assert a["p"] == pytest.approx(b["p"], rel=1e-6, abs=1e-12)
     assert "Scored by the owners" in (deployed / "report.md").read_text()
+    # Every round scored under the same random keys; a round scored where other keys are drawn
+    # (another device: edited in here) is refused in one line naming the round and the owner.
+    assert len({s["null_keys"] for s in scores}) == 1 and scores[0]["null_keys"]
+    last = next(rounds[-1].glob("scores-*.json"))
+    last.write_text(json.dumps({**scores[-1], "null_keys": "0" * 16}))
+    capsys.readouterr()
+    assert main(["attribute", str(deployed)]) == 2
+    assert "attribution.null_keys: round 2 of owner" in capsys.readouterr().err
+    last.write_text(json.dumps(scores[-1]))
     if decorrelate:
         # combined under settings whose rounds need the SA mean: one clear line
         run_json = deployed / "rounds" / "run.json"

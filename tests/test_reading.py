@@ -180,6 +180,16 @@ def test_null_keys_batched_cached_and_streamed_agree(reading_setup):
     assert torch.all((share - 0.25).abs() < 0.05)
     with pytest.raises(ValueError, match="changes"):
         redrawn.sums(changes[:, :-1])
+    # The keys' name: the same keys give the same name however they are drawn and kept (what
+    # a resumed run checks against its checkpoint); other keys another name.
+    fresh = RandomGreenLists(40, 3, cells, 0.25)
+    assert fresh.identity is None  # nothing drawn yet
+    fresh.sums(changes)
+    assert fresh.identity == redrawn.identity == blocked.identity == as_bools.identity
+    assert scorer.null_identity() == fresh.identity  # the scorer's keys of (40, seed=3)
+    other = RandomGreenLists(40, 4, cells, 0.25, cache_bytes=0)
+    other.sums(changes)
+    assert other.identity not in (None, fresh.identity)
 
 
 @pytest.mark.parametrize("space", ["fedit", "flora"])

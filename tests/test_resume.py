@@ -13,7 +13,7 @@ def _args(sets):
     return [a for s in sets for a in ("--set", s)]
 
 
-def test_killed_run_resumes_to_the_same_results(tiny_cache, tmp_path):
+def test_killed_run_resumes_to_the_same_results(tiny_cache, tmp_path, capsys):
     sets = _small(tiny_cache, "fl.rounds=4", "attribution.M=3")
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -28,8 +28,23 @@ def test_killed_run_resumes_to_the_same_results(tiny_cache, tmp_path):
     proc.kill()  # SIGKILL: no clean-up of any kind
     proc.wait()
     assert ckpt.exists() and not (killed / "results.json").exists()
-    done = torch.load(ckpt, weights_only=False)["round"]
+    saved = torch.load(ckpt, weights_only=False)
+    done = saved["round"]
     assert 1 <= done < 4
+    # The checkpoint names the random keys its sums are over; resumed where other keys are
+    # drawn (edited in here: another device), the run stops in one line and keeps its checkpoint.
+    calibrated = saved["observers"]["fedattr"]["fedattr"]["calibrated"]
+    named = calibrated["keys"]
+    assert named and all(len(v) == 16 for v in named.values())
+    calibrated["keys"] = dict.fromkeys(named, "0" * 16)
+    torch.save(saved, ckpt)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(killed)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"error: attribution.null_keys: round {done + 1} of owner" in err[-1]
+    assert torch.load(ckpt, weights_only=False)["round"] == done
+    calibrated["keys"] = named
+    torch.save(saved, ckpt)
     assert main(["run", "--resume", str(killed)]) == 0
     assert not (killed / "checkpoint").exists()
 

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import t as student_t
 
+from ..errors import UserError
 from .design import QueryDesign
 from .stouffer import AttributionReport, ClientAttribution
 
@@ -68,6 +69,15 @@ def all_key_statistics(
     return [scorer.key_statistics(reference, obs, n, seed) for obs in observations]
 
 
+def null_identity(scorer: Any) -> str | None:
+    """The name of the random keys ``scorer`` last drew (its ``null_identity()``): where they
+    depend on the machine that draws them (a device's generator), a run's rounds must all be
+    summed over the same ones. ``None`` for a scorer whose null does not (decoy values,
+    directions from a seeded CPU generator) or has drawn none yet."""
+    get = getattr(scorer, "null_identity", None)
+    return get() if callable(get) else None
+
+
 def _design_matrix(designs: Sequence[QueryDesign], order: Sequence[int]) -> np.ndarray:
     """Row i: the weight of every participant (in ``order``) in target i's estimate."""
     rows = []
@@ -88,6 +98,7 @@ class CalibratedNull:
         # client -> owner -> round -> that round's standardised statistic (for display)
         self.per_round: dict[int, dict[str, dict[int, float]]] = {}
         self.decorrelated: dict[int, bool] = {}
+        self.keys: dict[str, str] = {}  # owner -> name of the random keys its sums are over
 
     def add_round(
         self,
@@ -97,9 +108,16 @@ class CalibratedNull:
         designs: Sequence[QueryDesign],
         stats: Sequence[KeyStatistics],
         center: KeyStatistics | None = None,
+        keys: Mapping[str, str | None] | None = None,
     ) -> dict[int, dict[str, float]]:
         """One round's key statistics (one per target); returns each target's standardised
-        per-round value per owner (``(x_0 - mean_null) / sd_null``, for display)."""
+        per-round value per owner (``(x_0 - mean_null) / sd_null``, for display).
+
+        ``keys``: per owner, the name of the random keys the statistics are under
+        (:func:`null_identity`). A round under other keys than the owner's earlier rounds is
+        refused before anything is added: each random key's sum over rounds is one replicate
+        of the null only if it is the same key in every round."""
+        self._same_keys(round_id, keys or {})
         if not targets:
             return {}
         owners = sorted(stats[0])
@@ -134,6 +152,21 @@ class CalibratedNull:
                 display[target][o] = z
                 self.per_round.setdefault(target, {}).setdefault(o, {})[round_id] = z
         return display
+
+    def _same_keys(self, round_id: int, keys: Mapping[str, str | None]) -> None:
+        for owner, name in keys.items():
+            known = self.keys.get(owner)
+            if name is not None and known is not None and name != known:
+                raise UserError(
+                    f"attribution.null_keys: round {round_id} of owner {owner!r} was scored "
+                    f"under other random keys ({name}) than its earlier rounds ({known}): the "
+                    "keys depend on the device that draws them (CPU or CUDA, the GPU model) and "
+                    "the torch version; score every round of a run on the same kind of machine "
+                    "(resume a run where it started), or start it over"
+                )
+        for owner, name in keys.items():
+            if name is not None:
+                self.keys.setdefault(owner, name)
 
     def decorrelates(
         self, participants: Sequence[int], targets: Sequence[int], designs: Sequence[QueryDesign]
@@ -205,10 +238,12 @@ class CalibratedNull:
 
     def state(self) -> dict:
         """For checkpoints."""
-        return {"sums": self.sums, "per_round": self.per_round, "decorrelated": self.decorrelated}
+        return {"sums": self.sums, "per_round": self.per_round, "decorrelated": self.decorrelated,
+                "keys": self.keys}  # fmt: skip
 
     def load(self, state: Mapping) -> None:
-        """Restore :meth:`state`."""
+        """Restore :meth:`state` (one saved before keys were named accepts any)."""
         self.sums = state["sums"]
         self.per_round = state["per_round"]
         self.decorrelated = state["decorrelated"]
+        self.keys = dict(state.get("keys", {}))

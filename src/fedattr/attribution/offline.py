@@ -77,7 +77,8 @@ def attribute_run(run_dir: str | Path) -> AttributionReport:
                     "this run's attribution settings); score the round again"
                 )
             center = {o: (s["center"][0], np.asarray(s["center"][1])) for o, s in scores.items()}
-        null.add_round(t, manifest["participants"], targets, designs, stats, center)
+        keys = {o: s.get("null_keys") for o, s in scores.items()}
+        null.add_round(t, manifest["participants"], targets, designs, stats, center, keys)
     truth = _truth(run)
     report = null.report(truth)
     _write(run, report, owners or [])

@@ -21,7 +21,7 @@ from ..errors import UserError
 from ..secagg.base import QueryGroup, SecureAggregator
 from ..secagg.errors import QueryRefused
 from ..updates import UpdateLayout, add_update, scale_update
-from .calibrated import CalibratedNull, all_key_statistics, has_key_statistics
+from .calibrated import CalibratedNull, all_key_statistics, has_key_statistics, null_identity
 from .config import AttributionConfig
 from .design import DesignError, QueryDesign, draw_design, validate_parameters
 from .estimator import combine_answers, design_queries
@@ -369,8 +369,10 @@ class FedAttr:
         # One pass over the null keys for the whole round (the center's statistics last).
         stats = all_key_statistics(scorer, ref_obs, observed, cfg.null_keys, cfg.seed)
         middle = stats.pop() if center is not None else None
+        keys = null_identity(scorer)
         display = self.calibrated.add_round(
             estimates.round, estimates.participants, targets, designs, stats, middle,
+            {owner: keys for owner in stats[0]} if stats and keys else None,
         )  # fmt: skip
         each = (time.perf_counter() - t0) / max(1, len(targets))
         record = RoundRecord(

@@ -106,7 +106,7 @@ class OwnerScorer:
         has already checked it); returns the scores file written there."""
         from safetensors.torch import load_file
 
-        from ..attribution.calibrated import CalibratedNull, all_key_statistics
+        from ..attribution.calibrated import CalibratedNull, all_key_statistics, null_identity
         from ..attribution.export import design_from_dict
         from ..attribution.scoring import observe_all
 
@@ -145,6 +145,7 @@ class OwnerScorer:
             "fingerprint": self.key.fingerprint, "texts": scorer.positions,
             "targets": {str(t): plain(s) for t, s in zip(manifest["targets"], stats, strict=True)},
             "center": plain(middle) if middle is not None else None,
+            "null_keys": null_identity(scorer),
         }  # fmt: skip
         path = folder / f"scores-{self.key.fingerprint}.json"
         tmp = path.with_name(path.name + ".tmp")
