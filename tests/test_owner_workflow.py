@@ -83,7 +83,8 @@ def test_deployed_workflow_gives_the_simulations_verdicts(tiny_cache, owner_file
     last.write_text(json.dumps({**scores[-1], "null_keys": "0" * 16}))
     capsys.readouterr()
     assert main(["attribute", str(deployed)]) == 2
-    assert "attribution.null_keys: round 2 of owner" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "round 2 of owner" in err and "again (fedattr owner score)" in err
     last.write_text(json.dumps(scores[-1]))
     if decorrelate:
         # combined under settings whose rounds need the SA mean: one clear line

@@ -258,6 +258,7 @@ def test_a_forked_prefix_cache_shares_its_tensors_and_leaves_them_intact():
     cache.update(keys.clone(), values.clone(), 0)
     fork = _fork(cache)
     assert fork.layers[0].keys is cache.layers[0].keys
+    assert fork.layers[0].values is cache.layers[0].values
     fork.batch_select_indices(torch.tensor([2, 0]))
     fork.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4), 0)
     assert torch.equal(cache.layers[0].keys, keys) and torch.equal(cache.layers[0].values, values)

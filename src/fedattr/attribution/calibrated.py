@@ -87,12 +87,20 @@ def _design_matrix(designs: Sequence[QueryDesign], order: Sequence[int]) -> np.n
     return np.array(rows, dtype=np.float64)
 
 
+RESUME_WHERE_STARTED = "resume a run on the kind of machine that started it, or start it over"
+"""The remedy for a run scored in process (:class:`CalibratedNull`)."""
+
+
 class CalibratedNull:
     """Accumulates, per client and owner, the summed statistic under the owner's key and under
     every null key; :meth:`report` turns them into calibrated p-values and flags."""
 
-    def __init__(self, alpha: float = 0.01, decorrelate: bool = True) -> None:
-        self.alpha, self.decorrelate = alpha, decorrelate
+    def __init__(
+        self, alpha: float = 0.01, decorrelate: bool = True, remedy: str = RESUME_WHERE_STARTED
+    ) -> None:
+        """``remedy``: what to tell the user when a round comes under other random keys than
+        the earlier ones (:meth:`add_round`): it depends on who scored the rounds."""
+        self.alpha, self.decorrelate, self.remedy = alpha, decorrelate, remedy
         # client -> owner -> [1 + n] sums over rounds (column 0: the owner's key)
         self.sums: dict[int, dict[str, np.ndarray]] = {}
         # client -> owner -> round -> that round's standardised statistic (for display)
@@ -158,11 +166,10 @@ class CalibratedNull:
             known = self.keys.get(owner)
             if name is not None and known is not None and name != known:
                 raise UserError(
-                    f"attribution.null_keys: round {round_id} of owner {owner!r} was scored "
-                    f"under other random keys ({name}) than its earlier rounds ({known}): the "
-                    "keys depend on the device that draws them (CPU or CUDA, the GPU model) and "
-                    "the torch version; score every round of a run on the same kind of machine "
-                    "(resume a run where it started), or start it over"
+                    f"round {round_id} of owner {owner!r} was scored under other random keys "
+                    f"({name}) than its earlier rounds ({known}): the keys depend on the device "
+                    f"that draws them (CPU or CUDA, the GPU model) and the torch version; "
+                    f"{self.remedy}"
                 )
         for owner, name in keys.items():
             if name is not None:

@@ -47,7 +47,11 @@ def attribute_run(run_dir: str | Path) -> AttributionReport:
         raise UserError(f"RUN_DIR: {str(run)!r} holds no rounds/round-* folders (a run with "
                         "attribution.scoring=owner exports them)")  # fmt: skip
     cfg = run_config_of(folders[0])
-    null = CalibratedNull(cfg.attribution.alpha, cfg.attribution.decorrelate)
+    null = CalibratedNull(
+        cfg.attribution.alpha, cfg.attribution.decorrelate,
+        remedy="score that owner's rounds again (fedattr owner score) on the kind of machine "
+        "that scored the others",
+    )  # fmt: skip
     owners: list[str] | None = None
     for folder in folders:
         manifest = read_manifest(folder)

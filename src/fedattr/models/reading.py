@@ -214,8 +214,10 @@ _CONTINUATION_SPLIT = 4  # continuation batches per prefix batch: a quarter of i
 def _fork(cache):
     """A copy of ``cache`` to select rows from and continue, sharing its key and value tensors
     instead of copying them (a deep copy cost 4% of a fictitious-knowledge read): a dynamic
-    cache layer (transformers' ``DynamicLayer``) replaces its tensors when it selects rows or
-    appends, never writes into them. Layers of any other kind are copied whole."""
+    cache layer (transformers' ``DynamicLayer``) replaces its tensors when it selects rows,
+    appends or crops, which is all a read does with it. (Its ``reset`` zeroes them in place
+    in some transformers versions: a fork must never be reset.) Layers of any other kind are
+    copied whole."""
     from transformers.cache_utils import DynamicLayer
 
     shared = {
