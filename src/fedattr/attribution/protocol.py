@@ -275,17 +275,15 @@ class FedAttr:
     def _fused(self, design: QueryDesign, sa: SecureAggregator) -> bool:
         """Whether ``design``'s estimate is asked as one fused query: always in hardened mode
         (its release policy picks among alternative designs); with ``queries = "fused"`` where
-        SA admits the combination: the clients with a nonzero coefficient reach its threshold
-        and the coefficients' absolute sum fits its ring (a subset sum needs only N + 1 values
-        to fit; the combination up to M (2N + 1)). Where it does not, the design's 2M subset
-        sums give the same estimate, so the design is kept and the draws stay those of a
-        subsets run."""
+        SA admits the combination (:meth:`SecureAggregator.admits_combination`: enough clients
+        with a nonzero coefficient, the ring holds up to M (2N + 1) values). Where it does not,
+        the design's 2M subset sums give the same estimate, so the design is kept and the
+        draws stay those of a subsets run."""
         if self.config.mode == "hardened":
             return True
-        if self.config.queries != "fused":
-            return False
-        coefs = [abs(c) for c in design.integer_coefficients().values() if c]
-        return len(coefs) >= sa.min_members and sum(coefs) <= sa.codec.max_members()
+        return self.config.queries == "fused" and sa.admits_combination(
+            design.integer_coefficients()
+        )
 
     def score_round(
         self,

@@ -346,13 +346,21 @@ class SecureAggregator(ABC):
         nonzero = {int(c): int(v) for c, v in coefficients.items() if v != 0}
         members = self._validate(nonzero)
         coefs = tuple(nonzero[c] for c in members)
-        limit = self.codec.max_members()
-        if sum(abs(v) for v in coefs) > limit:
+        if not self.admits_combination(nonzero):  # the size passed _validate: the ring did not
             raise QueryRefused(
                 f"query refused: sum of |coefficients| {sum(abs(v) for v in coefs)} exceeds what "
-                f"the ring holds without overflow ({limit}); use ring_bits=64 or lower frac_bits"
+                f"the ring holds without overflow ({self.codec.max_members()}); use "
+                "ring_bits=64 or lower frac_bits"
             )
         return members, coefs, denominator
+
+    def admits_combination(self, coefficients: Mapping[int, int]) -> bool:
+        """Whether a combination with these integer coefficients is one SA session as far as
+        the coefficients decide (the members must still have submitted): nonzero ones on at
+        least ``min_members`` clients, and their absolute sum within what the ring holds
+        without overflow (a subset sum adds N + 1 values; a combination may add many more)."""
+        weights = [abs(int(v)) for v in coefficients.values() if v != 0]
+        return len(weights) >= self.min_members and sum(weights) <= self.codec.max_members()
 
     def _run_query(self, query: Query) -> np.ndarray:
         """One :class:`Query` through the single-query path it stands for."""
