@@ -1,12 +1,9 @@
-"""The calibrated statistic: key randomisation, cross-talk undone, family-wise flags."""
-
-import copy
+"""The calibrated statistic: changes read with the key, exact tails, family-wise flags."""
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import norm
-from scipy.stats import t as student_t
 
 from fedattr.attribution import AttributionConfig, FedAttr, LinearScorer, draw_design
 from fedattr.attribution.calibrated import CalibratedNull
@@ -16,7 +13,6 @@ from fedattr.config import ConfigError, load
 from fedattr.errors import UserError
 from fedattr.experiments.config import DemoConfig, RunConfig
 from fedattr.experiments.run import run_demo
-from fedattr.secagg import SecAggConfig, make_aggregator
 
 PAPER = 'variants=[{"name": "paper", "statistic": "paper"}]'
 REALISTIC = ["synthetic.common=1.0", "synthetic.heterogeneity=0.5", "synthetic.dim=256",
@@ -54,99 +50,75 @@ def test_family_wise_flags_name_the_watermarked_clients_and_no_clean_one():
         assert rep.tpr == 1.0 and rep.fpr == 0.0
         wm = [c for c in rep.clients if c.watermarked]
         assert all(c.p_rank == pytest.approx(1 / 201) for c in wm)  # beyond every random key
+        assert all(c.tail == "exact" for c in rep.clients)
 
 
-def test_decorrelation_recovers_each_clients_own_statistic():
+def test_decorrelation_recovers_each_clients_own_change():
     rng = np.random.default_rng(0)
-    K, n = 8, 6
+    K, dim = 8, 64
     designs = [draw_design(range(K), i, 4, 3, rng) for i in range(K)]
-    own = rng.normal(size=(K, 1 + n))  # each client's own statistic, owner key then null keys
+    own = rng.normal(size=(K, dim))  # each client's own change
     A = np.array([[d.coefficients()[j] for j in range(K)] for d in designs])
-    Y = A @ own  # what the estimates carry: own statistic plus alpha-weighted cross-talk
-    stats = [{"o": (float(y[0]), y[1:])} for y in Y]
-    center = np.median(own, axis=0)
-    null = CalibratedNull(decorrelate=True)
-    null.add_round(1, list(range(K)), list(range(K)), designs, stats,
-                   {"o": (float(center[0]), center[1:])})  # fmt: skip
-    recovered = np.array([null.sums[i]["o"] for i in range(K)])
-    expected = own - center  # then each round's row is scaled by its spread over all keys
-    assert np.allclose(recovered, expected / expected.std(axis=1, ddof=1, keepdims=True))
-    assert null.decorrelated[1] is True
-    # Without every participant targeted, the estimates are used as they are.
-    partial = CalibratedNull(decorrelate=True)
-    partial.add_round(1, list(range(K)), [0, 1], designs[:2], stats[:2])
-    assert partial.decorrelated[1] is False
+    Y = A @ own  # what the estimates carry: own change plus alpha-weighted cross-talk
+    scorer = LinearScorer(torch.tensor(rng.normal(size=dim)))
+    changes = [{DEFAULT_STATISTIC: torch.tensor(y)} for y in Y]
+    null = CalibratedNull(decorrelate=True, null_keys=0)
+    shown = null.add_round(1, list(range(K)), list(range(K)), designs, changes, None, scorer)
+    assert null.decorrelated[1]
+    centred = own - np.median(own, axis=0)
+    for i in range(K):
+        want = centred[i] / np.linalg.norm(centred[i]) * np.sqrt(dim)  # unit null variance
+        got = null.W[i][DEFAULT_STATISTIC].double().reshape(-1).numpy()
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-4)
+        # The round's displayed statistic is the owner's value, with unit null variance.
+        assert shown[i][DEFAULT_STATISTIC] == pytest.approx(
+            float(scorer.direction.numpy() @ want), rel=1e-4, abs=1e-4)
+    # Without decorrelation the SA mean's change is the centre (hardened mode's case).
+    plain = CalibratedNull(decorrelate=False, null_keys=0)
+    plain.add_round(1, list(range(K)), list(range(K)), designs, changes,
+                    {DEFAULT_STATISTIC: torch.tensor(Y.mean(0))}, scorer)  # fmt: skip
+    assert not plain.decorrelated[1]
 
 
-def test_a_round_under_other_random_keys_is_refused_before_anything_is_added():
-    """Each random key's sum over rounds is one replicate of the null only if it is the same
-    key every round: a run resumed on a machine that draws other keys (CPU vs CUDA) stops."""
-    rng = np.random.default_rng(1)
-    K = 6
-    designs = [draw_design(range(K), i, 3, 3, rng) for i in range(K)]
-
-    def add(null, round_id, keys):
-        stats = [{"o": (float(x), rng.normal(size=5))} for x in rng.normal(size=K)]
-        null.add_round(round_id, list(range(K)), list(range(K)), designs, stats, keys=keys)
-
-    null = CalibratedNull()
-    add(null, 1, {"o": "3f2a"})
-    add(null, 2, {"o": "3f2a"})
-    add(null, 3, {"o": None})  # a scorer whose null does not depend on the machine
-    saved = copy.deepcopy(null.state())
-    resumed = CalibratedNull()
-    resumed.load(copy.deepcopy(saved))
-    with pytest.raises(UserError, match=r"^round 4 of owner 'o' .*"
-                                        r"other random keys \(9b1c\) .* \(3f2a\)"):
-        add(resumed, 4, {"o": "9b1c"})
-    assert all(np.array_equal(resumed.sums[c]["o"], saved["sums"][c]["o"]) for c in range(K))
-    assert 4 not in resumed.decorrelated and 4 not in resumed.per_round[0]["o"]
-    add(resumed, 4, {"o": "3f2a"})  # the same keys again: the run goes on
-    # A checkpoint from before keys were named accepts the keys it meets first.
-    older = CalibratedNull()
-    older.load({k: v for k, v in copy.deepcopy(saved).items() if k != "keys"})
-    add(older, 4, {"o": "9b1c"})
-    assert older.keys == {"o": "9b1c"}
-
-
-class _NamedKeys(LinearScorer):
-    """The synthetic scorer, drawing its null keys "on a machine" named ``machine``."""
-
-    machine = "cpu"
-
-    def null_identity(self) -> str:
-        return self.machine
-
-
-def test_fedattr_checks_the_scorers_random_keys_against_its_earlier_rounds():
-    fed = FedAttr(AttributionConfig(N=3, M=3))
-    scorer = _NamedKeys(torch.ones(4))
-
-    def round_(t):
-        sa = make_aggregator(SecAggConfig(backend="plaintext", min_members=3))
-        sa.open_round(t, range(6))
-        for j in range(6):
-            sa.submit(j, torch.randn(4, dtype=torch.float64))
-        return fed.attribute_round(t, sa, torch.zeros(4, dtype=torch.float64), scorer)
-
-    round_(1)
-    assert fed.calibrated.keys == {DEFAULT_STATISTIC: "cpu"}
-    scorer.machine = "cuda"
-    with pytest.raises(UserError, match=r"^round 2 of owner .* resume a run on the kind of"):
-        round_(2)
-
-
-def test_calibrated_p_is_exact_by_rank_and_t_tail_beyond_it():
-    null = CalibratedNull(alpha=0.05)
+def test_the_verdict_reads_the_exact_tail_of_the_summed_change():
     rng = np.random.default_rng(3)
-    null.sums = {0: {"o": np.concatenate([[10.0], rng.normal(size=99)])},
-                 1: {"o": np.concatenate([[0.0], rng.normal(size=99)])}}  # fmt: skip
+    dim = 50
+    key = torch.tensor(rng.normal(size=dim))
+    key = key / key.norm()
+    scorer = LinearScorer(key)
+    null = CalibratedNull(alpha=0.05, null_keys=99)
+    laws = scorer.key_laws()
+    strong = torch.tensor(rng.normal(size=dim)) + 8 * key
+    weak = torch.tensor(rng.normal(size=dim))
+    for cid, W in ((0, strong), (1, weak)):
+        W = W * np.sqrt(dim) / W.norm()
+        null.add(1, cid, {DEFAULT_STATISTIC: W}, scorer.owner_values(DEFAULT_STATISTIC, W),
+                 laws, {DEFAULT_STATISTIC: DEFAULT_STATISTIC})  # fmt: skip
     rep = null.report({0: True, 1: False})
     by = {c.id: c for c in rep.clients}
-    assert by[0].p_rank == pytest.approx(1 / 100) and by[0].p < 1e-10 and by[0].flagged
-    assert 0.05 < by[1].p < 0.95 and not by[1].flagged
-    # gamma is the t threshold of level alpha / (K * owners) = 0.05 / 2, 98 degrees of freedom.
-    assert rep.gamma == pytest.approx(student_t.isf(0.025, 98))
+    assert by[0].tail == "exact" and by[0].flagged and by[0].p < 1e-6
+    assert by[0].p_rank == pytest.approx(1 / 100)  # beyond every random key
+    assert not by[1].flagged and by[1].p > 0.025
+    assert rep.level == pytest.approx(0.025)
+    # A later round under another key law is refused before anything is added.
+    from fedattr.watermarks.tail import Directions
+
+    with pytest.raises(UserError, match="another key law"):
+        null.add(2, 0, {DEFAULT_STATISTIC: strong}, {DEFAULT_STATISTIC: 1.0},
+                 {DEFAULT_STATISTIC: Directions(3)}, {DEFAULT_STATISTIC: DEFAULT_STATISTIC})
+
+
+def test_an_uncalibrated_detector_is_reported_but_names_no_one_unless_asked():
+    rng = np.random.default_rng(4)
+    for ask in (False, True):
+        null = CalibratedNull(alpha=0.05, null_keys=0, name_uncalibrated=ask)
+        scorer = LinearScorer(torch.tensor(rng.normal(size=20)))
+        W = 5 * scorer.direction / scorer.direction.norm() * np.sqrt(20)
+        null.add(1, 0, {DEFAULT_STATISTIC: W}, scorer.owner_values(DEFAULT_STATISTIC, W),
+                 scorer.key_laws(), {DEFAULT_STATISTIC: DEFAULT_STATISTIC}, valid=False)
+        rep = null.report({0: True})
+        assert rep.uncalibrated == [DEFAULT_STATISTIC] and not rep.clients[0].calibrated
+        assert rep.clients[0].p < 1e-3 and rep.clients[0].flagged is ask
 
 
 def test_calibrated_needs_a_detector_with_random_keys():
@@ -176,3 +148,25 @@ def test_calibration_command_writes_its_files_and_resumes(tmp_path, capsys):
     assert main([*args[:-4], "--set", "synthetic.dim=32"]) == 2
     assert "another configuration" in capsys.readouterr().err
     assert main(["experiment", "calibration", "--bed", "nope"]) == 2
+
+
+def test_token_centring_removes_drift_no_key_sees_and_keeps_the_null_exact():
+    from fedattr.attribution.calibrated import standardise_round
+    from fedattr.watermarks.tail import RowSubsets
+
+    rng = np.random.default_rng(11)
+    K, rows, V = 6, 30, 64
+    designs = [draw_design(range(K), i, 3, 3, rng) for i in range(K)]
+    drift = np.zeros(V)
+    drift[:4] = 5.0  # every context moves mass to the same few tokens
+    changes = [{"p": torch.tensor(rng.normal(size=(rows, V)) + (3 * drift if i == 0 else 0))}
+               for i in range(K)]  # fmt: skip
+    laws = {"p": RowSubsets(16, V)}
+    plain, _ = standardise_round(range(K), range(K), designs, changes, None, laws, False)
+    kept, _ = standardise_round(range(K), range(K), designs, changes, None, laws, False, True)
+    c = kept[0]["p"].double()
+    assert c.mean(dim=0).abs().max() < 1e-6 and c.mean(dim=1).abs().max() < 1e-6
+    assert laws["p"].variance(c) == pytest.approx(1.0)  # still one unit of null variance
+    # The drift took most of client 0's plain change; centred away, the rest is what is read.
+    share = lambda x: float((x.double()[:, :4] ** 2).sum() / (x.double() ** 2).sum())  # noqa: E731
+    assert share(plain[0]["p"]) > 0.5 > 0.1 > share(c)

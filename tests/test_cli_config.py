@@ -123,3 +123,77 @@ def test_overlap_is_refused_beside_baselines_and_owner_scoring(capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1
         assert "attribution.overlap" in err and "allowed there: false" in err
+
+
+def test_privacy_refuses_bad_numbers_and_what_memory_cannot_hold(capsys):
+    for args, message in [
+        (["--trials", "0"], "--trials: Monte Carlo draws, must be >= 1, got 0"),
+        (["--d-star", "0"], "--d-star: the effective dimension, must be a number > 0, got 0"),
+        (["--C", "-1"], "--C: must be a number >= 0, got -1"),
+        # 5e14 bytes for one round's joint recovery: no machine; refused before allocating
+        (["--K", "1000000"], "--K: K=1000000, M=5 and 20000 trials need about"),
+    ]:
+        assert main(["privacy", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert "allowed here (half the available memory): at most --K " in err
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    # `fedattr audit --json RUN | head`: the reader stops early; no BrokenPipeError traceback.
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before a byte is written
+    try:
+        done = subprocess.run([sys.executable, "-m", "fedattr", "privacy", "--K", "10",
+                               "--trials", "100", "--json"], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.returncode == 141 and done.stderr == ""
+
+
+def test_help_tells_the_protocol_demo_from_the_default_run(capsys):
+    from fedattr.cli import build_parser
+
+    text = build_parser().format_help()
+    demo = " ".join(text[text.index("demo-protocol  ") : text.index("    run  ")].split())
+    assert "synthetic" in demo and "the embedded default job is 'fedattr run'" in demo
+
+
+def test_a_failed_demo_leaves_no_folder(tmp_path, monkeypatch):
+    from fedattr.experiments import run as run_module
+
+    def bug(cfg, progress=None):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(run_module, "run_demo", bug)
+    with pytest.raises(TypeError, match="a bug"):
+        main(["demo-protocol", "--out", str(tmp_path / "runs" / "demo")])
+    assert list(tmp_path.iterdir()) == []  # runs/ made for it is gone too
+
+
+def test_the_plain_sum_baseline_is_timed_after_a_warm_up(monkeypatch):
+    # The first sum starts torch's threads and faults in pages: untimed, as the backends'
+    # warm-up query; then at least PLAIN_SUM_REPEATS timed sums and their median.
+    from fedattr.experiments import bench
+
+    sums, timed = [], []
+
+    class Vector:
+        def to(self, device):
+            return self
+
+        def clone(self):
+            sums.append(1)
+            return self
+
+        def __iadd__(self, other):
+            return self
+
+    monkeypatch.setattr(bench.statistics, "median", lambda xs: timed.append(len(xs)) or 0.0)
+    bench._plain_sum_ms([Vector(), Vector()], "cpu", repeats=1)
+    assert timed == [bench.PLAIN_SUM_REPEATS] and len(sums) == bench.PLAIN_SUM_REPEATS + 1

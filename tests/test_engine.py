@@ -234,12 +234,18 @@ def test_damaged_checkpoint_is_one_clear_line(tmp_path):
 
 
 class _KeyedDeviceScorer(_DeviceScorer):
-    """The calibrated path's scorer: raw statistics under the owner key and null keys."""
+    """The calibrated path's scorer: a key-linear change and its key law."""
 
-    def key_statistics(self, reference, candidate, n, seed):
-        import numpy as np
+    def change(self, reference, candidate):
+        return {"owner": torch.linspace(-1.0, 1.0, 6) * (1.0 + candidate - reference)}
 
-        return {"owner": (0.0, np.linspace(-1.0, 1.0, n))}
+    def key_laws(self):
+        from fedattr.watermarks.tail import Directions
+
+        return {"owner": Directions(6)}
+
+    def owner_values(self, part, W):
+        return {"owner": float(W.reshape(-1)[0])}
 
 
 def test_calibrated_statistic_is_device_correct_too():

@@ -81,3 +81,26 @@ def test_the_federation_stops_every_process_it_started(tmp_path):
         started = _processes_using(fed.home)
         assert len(started) >= 3  # SuperLink (+ its superexec) and two SuperNodes
     assert _processes_using(fed.home) == []
+
+
+def test_flower_local_refuses_what_it_cannot_run_before_starting_a_process(tmp_path, monkeypatch,
+                                                                           capsys):  # fmt: skip
+    from fedattr.cli import main
+
+    def no_process(self):
+        raise AssertionError("a process was started before the settings were checked")
+
+    monkeypatch.setattr(LoopbackFederation, "start", no_process)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "one.json").write_text('[{"instruction": "a", "output": "b"}]')
+    for args, message in [
+        (["--set", "baselines=true"], "baselines: they read plaintext client updates"),
+        (["--demo", "--set", "secagg.backend=plaintext"], "secagg.backend: on Flower"),
+        (["--set", "data.path=one.json"], "data.path: 'one.json' holds 1 usable record"),
+        (["--timeout", "0"], "--timeout: must be > 0 seconds"),
+    ]:
+        for out in ([], ["--out", "d1"]):
+            assert main(["flower", "local", *args, *out]) == 2
+            err = capsys.readouterr().err
+            assert message in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.json"]  # no runs/, no d1/

@@ -258,3 +258,70 @@ def test_a_lora_model_read_against_its_own_base_equals_an_explicit_reference(mic
     assert own["statistic"] != 0.0
     assert own["statistic"] == pytest.approx(explicit["statistic"], rel=1e-4, abs=1e-6)
     assert own["p"] == pytest.approx(explicit["p"], rel=1e-3)
+
+
+def test_a_damaged_key_file_names_the_field(tmp_path):
+    good = json.loads(generate_key().to_json())
+    path = tmp_path / "k.key"
+    for edit, message in [
+        ({"secret": None}, "is damaged: missing field 'secret' (fields: kind, secret, gamma"),
+        ({"colour": "green"}, "is damaged: unknown field 'colour'"),
+        ({"gamma": "x"}, "is damaged: field 'gamma' must be a number, got 'x'"),
+        ({"secret": 5}, "is damaged: field 'secret' must be a string, got 5"),
+    ]:
+        data = {k: v for k, v in {**good, **edit}.items() if v is not None}
+        path.unlink(missing_ok=True)
+        path.write_text(json.dumps(data))
+        os.chmod(path, 0o600)
+        with pytest.raises(KeyFileError) as err:
+            load_key(path, "kgw", "watermark.key_files")
+        assert str(err.value).startswith(f"watermark.key_files: {str(path)!r} {message}")
+    with pytest.raises(KeyFileError, match=r"--key: '.*' is a directory; a key file is expected"):
+        load_key(tmp_path)
+
+
+def test_owner_commands_refuse_bad_numbers_before_loading_a_model(tmp_path, monkeypatch,
+                                                                   capsys):  # fmt: skip
+    import fedattr.models.loading as loading
+
+    def no_model(*_a, **_k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(loading, "load_model", no_model)
+    key = str(save_key(generate_key(), tmp_path / "owner.key"))
+    corpus = str(_corpus(tmp_path, n=4))
+    wm = ["owner", "watermark", "--key", key, "--in", corpus]
+    detect = ["owner", "detect", "--key", key, "--model", "tiny"]
+    for args, message in [
+        ([*wm, "--out", str(tmp_path / "wm.jsonl"), "--chunk", "0"], "--chunk: must be >= 1"),
+        ([*wm, "--out", str(tmp_path / "wm.jsonl"), "--max-new-tokens", "0"],
+         "--max-new-tokens: must be >= 1"),
+        ([*wm, "--out", str(tmp_path / "no" / "wm.jsonl")], "--out: folder"),
+        (["owner", "watermark", "--key", key, "--in", str(tmp_path), "--out",
+          str(tmp_path / "wm.jsonl")], "--in: '" + str(tmp_path) + "' is a directory"),
+        ([*detect, "--count", "0", "--detector", "greedy"], "--count: texts used, must be >= 1"),
+        (detect, "--reference: the reading test needs the model"),
+        ([*detect, "--reference", "tiny", "--null-keys", "5"], "--null-keys: must be >= 20"),
+        ([*detect, "--texts", str(tmp_path), "--detector", "greedy"], "--texts: '"),
+        (["owner", "detect", "--key", key, "--model", "./no/model", "--detector", "greedy"],
+         "--model: './no/model' does not exist (no such folder) and is not a Hugging Face id"),
+        ([*detect, "--reference", str(tmp_path / "owner.key")],
+         "--reference: '" + str(tmp_path / "owner.key") + "' is a file; a model folder"),
+    ]:  # fmt: skip
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "owner.key"]
+
+
+def test_a_watermarking_job_that_finished_no_chunk_leaves_nothing_to_refuse(tmp_path):
+    from fedattr.owner.corpus import _progress
+
+    progress = tmp_path / "wm.jsonl.progress.jsonl"
+    assert _progress(progress, {"chunk": 0}) == ({}, 0)  # e.g. a job killed in its first chunk
+    assert _progress(progress, {"chunk": 4}) == ({}, 0)  # other settings: nothing was lost
+    assert json.loads(progress.read_text()) == {"header": {"chunk": 4}}
+    with open(progress, "a") as f:
+        f.write(json.dumps({"chunk": 0, "rows": [[0, None]]}) + "\n")
+    with pytest.raises(UserError, match=r"other settings \(chunk\)"):  # a finished chunk is kept
+        _progress(progress, {"chunk": 5})

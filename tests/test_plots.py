@@ -235,3 +235,40 @@ def test_png_for_edge_cases(tmp_path):
     plot_attribution(long_ids, tmp_path / "long.png")
     for name in ("unknown", "empty", "long"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+def test_the_calibrated_plot_draws_the_verdict_that_results_json_states(tmp_path):
+    """A named client's bar stands above the drawn cut, an unnamed one's below it: the plot
+    shows the statistic that decides (read back from results.json, as a user would)."""
+    import json
+
+    import matplotlib.pyplot as plt
+
+    from fedattr.attribution.stouffer import AttributionReport, ClientAttribution
+    from fedattr.config import load
+    from fedattr.experiments.config import DemoConfig
+    from fedattr.experiments.run import run_demo
+    from fedattr.reporting.plots import build_attribution_figure
+
+    cfg = load(DemoConfig, None, ["synthetic.dim=256", "secagg.backend=plaintext",
+                                  "synthetic.signal=1.2", "synthetic.seed=3"])  # fmt: skip
+    folder = run_demo(cfg, progress=lambda _m: None).write(tmp_path / "run")
+    results = json.loads(folder.file("results.json").read_text())
+    assert results["statistic"] == "calibrated"
+    clients = [ClientAttribution(c["id"], {int(t): v for t, v in c["z"].items()}, c["Z"], c["p"],
+                                 c["log10_p"], c["flagged"], c["watermarked"], c["statistic"],
+                                 c.get("p_rank"), c.get("tail"), c.get("calibrated", True))
+               for c in results["clients"]]  # fmt: skip
+    report = AttributionReport(results["gamma"], clients, statistic="calibrated",
+                               alpha=results["alpha"])  # fmt: skip
+    fig = build_attribution_figure(report)
+    try:
+        ax = fig.axes[1]
+        cut = next(line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() == "--")
+        heights = [bar.get_height() for bar in ax.patches]
+        assert len(heights) == len(clients)
+        for c, h in zip(clients, heights, strict=True):
+            assert (h > cut) == c.flagged
+        assert any(c.flagged for c in clients) and not all(c.flagged for c in clients)
+    finally:
+        plt.close(fig)

@@ -31,19 +31,18 @@ def test_killed_run_resumes_to_the_same_results(tiny_cache, tmp_path, capsys):
     saved = torch.load(ckpt, weights_only=False)
     done = saved["round"]
     assert 1 <= done < 4
-    # The checkpoint names the random keys its sums are over; resumed where other keys are
-    # drawn (edited in here: another device), the run stops in one line and keeps its checkpoint.
+    # The checkpoint holds each client's summed change; one written by an earlier fedattr's
+    # statistic (sums over random keys) is refused in one line and kept.
     calibrated = saved["observers"]["fedattr"]["fedattr"]["calibrated"]
-    named = calibrated["keys"]
-    assert named and all(len(v) == 16 for v in named.values())
-    calibrated["keys"] = dict.fromkeys(named, "0" * 16)
+    assert calibrated["format"] == 2 and calibrated["W"]
+    calibrated["format"] = 1
     torch.save(saved, ckpt)
     capsys.readouterr()
     assert main(["run", "--resume", str(killed)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert f"error: round {done + 1} of owner" in err[-1] and "other random keys" in err[-1]
+    assert "earlier fedattr" in err[-1] and "start the run over" in err[-1]
     assert torch.load(ckpt, weights_only=False)["round"] == done
-    calibrated["keys"] = named
+    calibrated["format"] = 2
     torch.save(saved, ckpt)
     assert main(["run", "--resume", str(killed)]) == 0
     assert not (killed / "checkpoint").exists()

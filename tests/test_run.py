@@ -149,3 +149,92 @@ def test_overlapped_scoring_on_a_model_copy_gives_the_same_results(tiny_cache, t
     assert [c.Z for c in overlapped.report.clients] == [c.Z for c in inline.report.clients]
     assert [c.p for c in overlapped.report.clients] == [c.p for c in inline.report.clients]
     assert overlapped.sa_queries == inline.sa_queries
+
+
+def test_a_failed_start_leaves_no_folder_to_block_the_corrected_run(tmp_path, monkeypatch,
+                                                                     capsys):  # fmt: skip
+    from fedattr.errors import UserError
+    from fedattr.experiments import run as run_module
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "wrongfields.json").write_text(json.dumps([{"prompt": "a", "completion": "b"}]))
+    bad = ["run", "--set", "data.path=wrongfields.json"]
+    # Checked before anything is written: the same command again gets the same one line.
+    for args in ([*bad, "--out", "d1"], [*bad, "--out", "d1"], bad):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "data.path: wrongfields.json[0]: expected Alpaca" in err
+    assert not (tmp_path / "d1").exists() and not (tmp_path / "runs").exists()
+
+    # A start that fails later (in the run, before its first round) gives its folder back:
+    # the one it made, the runs/ it made, or an empty one the user made (empty again).
+    def fails(cfg, folder=None, **_):
+        assert folder.file("config.json").is_file()
+        (folder.path / "partial.txt").write_text("what a failed start wrote")
+        raise UserError("model: could not load it")
+
+    monkeypatch.setattr(run_module, "run_experiment", fails)
+    (tmp_path / "mine").mkdir()
+    for args in (["run"], ["run", "--out", "d1"], ["run", "--out", "mine"]):
+        assert main(args) == 2
+        assert "model: could not load it" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "d1").exists()
+    assert list((tmp_path / "mine").iterdir()) == []
+
+    def bug(cfg, folder=None, **_):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(run_module, "run_experiment", bug)
+    with pytest.raises(TypeError, match="a bug"):  # a bug keeps its traceback
+        main(["run", "--out", "d1", "--set", "fl.rounds=3"])
+    assert not (tmp_path / "d1").exists()
+
+    def interrupted(cfg, folder=None, **_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "run_experiment", interrupted)
+    assert main(["run", "--out", "d1"]) == 130
+    assert "before the first round finished; nothing was kept" in capsys.readouterr().err
+    assert not (tmp_path / "d1").exists()
+
+    def after_round_one(cfg, folder=None, **_):
+        folder.save_checkpoint({"round": 1})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "run_experiment", after_round_one)
+    assert main(["run", "--out", "d1"]) == 130  # a finished round is work: the folder stays
+    assert "continue with 'fedattr run --resume d1'" in capsys.readouterr().err
+    assert (tmp_path / "d1" / "checkpoint" / "state.pt").is_file()
+
+
+def test_run_inputs_are_checked_before_the_folder_is_written(tmp_path, monkeypatch, capsys):
+    import os
+
+    from fedattr.watermarks.keys import generate_key, save_key
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "one.json").write_text(json.dumps([{"instruction": "a", "output": "b"}]))
+    (tmp_path / "adir").mkdir()
+    os.chmod(save_key(generate_key(), tmp_path / "open.key"), 0o644)
+    cases = [
+        (["--set", "data.path=one.json"], "data.path: 'one.json' holds 1 usable record; 1 held "
+         "out as detection texts leaves 0 for fl.K=10 clients, one each at least: give a file "
+         "of at least 11 records"),
+        (["--set", "data.path=adir"], "data.path: 'adir' is a directory; a .json/.jsonl file"),
+        (["--config", "adir"], "--config: 'adir' is a directory; a .json or .toml"),
+        (["--set", 'watermark.key_files=["open.key"]'],
+         "watermark.key_files: 'open.key' can be read by other users (mode 0644)"),
+        (["--set", 'watermark.key_files=["adir"]'],
+         "watermark.key_files: 'adir' is a directory; a key file is expected"),
+        (["--set", "watermark.documents=adir"], "watermark.documents: 'adir' is a directory"),
+        (["--set", "model.preset=hf", "--set", "model.name_or_path=./no/model"],
+         "model.name_or_path: './no/model' does not exist (no such folder) and is not a "
+         "Hugging Face id"),
+        (["--set", "data.records=5"], "data.records: must be >= fl.K=10"),
+    ]  # fmt: skip
+    for args, message in cases:
+        for command in (["run", *args, "--out", "d1"], ["run", *args]):
+            assert main(command) == 2
+            err = capsys.readouterr().err
+            assert message in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "one.json", "open.key"]

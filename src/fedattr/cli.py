@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -23,9 +25,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.out:
         folder = RunFolder(args.out)
         folder.claim(to_dict(cfg))  # before any work: a bad --out costs nothing
-    result = run_demo(cfg, progress=None if not args.quiet else (lambda _m: None))
+    # A demo keeps no checkpoint: one that fails leaves no folder to block its re-run.
+    with folder.released_on_failure() if folder else contextlib.nullcontext():
+        result = run_demo(cfg, progress=None if not args.quiet else (lambda _m: None))
+        if folder is not None:
+            result.write(folder)
     if folder is not None:
-        result.write(folder)
         print(f"wrote {folder}/: results.json report.md attribution.png rounds.jsonl "
               "queries.jsonl config.json", file=sys.stderr)  # fmt: skip
     if args.json:
@@ -45,7 +50,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from .config import from_dict, load, to_dict
     from .experiments.config import RunConfig, preset_overrides
-    from .experiments.run import run_experiment
+    from .experiments.run import check_inputs, run_experiment
     from .reporting.markdown import attribution_table
     from .reporting.run_folder import RunFolder
 
@@ -57,13 +62,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
             )
         folder = RunFolder(args.resume, "--resume")
         cfg = from_dict(RunConfig, folder.resumable_config())
+        check_inputs(cfg)
     else:
         cfg = load(RunConfig, args.config, preset_overrides(args.preset) + args.set)
+        check_inputs(cfg)  # data, key files, model path: before the folder is written
         folder = RunFolder(args.out or _default_run_dir(cfg))
         folder.claim(to_dict(cfg))
     try:
-        result = run_experiment(cfg, folder=folder)
+        # A start that fails before its first round leaves no folder to block the re-run.
+        with folder.released_on_failure():
+            result = run_experiment(cfg, folder=folder)
     except KeyboardInterrupt:
+        if folder.status == "new":  # released: no round had finished
+            print("fedattr: interrupted before the first round finished; nothing was kept",
+                  file=sys.stderr)  # fmt: skip
+            return 130
         print(f"fedattr: interrupted; finished rounds are kept: continue with "
               f"'fedattr run --resume {folder}'", file=sys.stderr)  # fmt: skip
         return 130
@@ -124,9 +137,22 @@ def _cmd_experiment_calibration(args: argparse.Namespace) -> int:
     from .experiments.calibration import CalibrationSpec, run_calibration
 
     spec = CalibrationSpec(args.bed, _parse_seeds(args.seeds), _parse_seeds(args.r, "--r"),
-                           args.config, args.set)  # fmt: skip
+                           args.config, args.set, args.jobs)  # fmt: skip
     out = args.out or f"runs/calibration-{args.bed}"
     return _experiment(lambda say: run_calibration(spec, out, say), out, "calibration.md")
+
+
+def _cmd_experiment_tail_check(args: argparse.Namespace) -> int:
+    from .experiments.calibration import tail_check, write_tail_check
+
+    if args.draws < 100:
+        raise UserError(f"--draws: Monte Carlo draws per point, >= 100; got {args.draws}")
+    from pathlib import Path
+
+    out = Path(args.out)
+    write_tail_check(tail_check(args.run_dirs, args.draws), out)
+    print((out / "tail-check.md").read_text())
+    return 0
 
 
 def _cmd_experiment_sweep(args: argparse.Namespace) -> int:
@@ -184,9 +210,56 @@ def _default_run_dir(cfg) -> str:
     return f"runs/{stamp}-{cfg.fl.strategy}-{cfg.model.preset}"
 
 
+_PRIVACY_BYTES = (36, 100)
+"""Peak bytes of ``fedattr privacy`` per Monte Carlo entry (trials x M x (K-1): the subset
+draws and their ranks) and per M K^2 (one round's 2MK x K query matrix and its SVD), measured
+with NumPy (33 and 95)."""
+
+
+def _check_privacy(args: argparse.Namespace) -> None:
+    """The numbers of ``fedattr privacy``, and whether this machine can hold the computation."""
+    import math
+
+    from .attribution.design import validate_parameters
+    from .runtime import available_memory
+
+    if args.trials < 1:
+        raise UserError(f"--trials: Monte Carlo draws, must be >= 1, got {args.trials}")
+    if not (args.d_star > 0 and math.isfinite(args.d_star)):
+        raise UserError(f"--d-star: the effective dimension, must be a number > 0, got "
+                        f"{args.d_star:g}")  # fmt: skip
+    if not (args.C >= 0 and math.isfinite(args.C)):
+        raise UserError(f"--C: must be a number >= 0, got {args.C:g}")
+    K, M, trials = args.K, args.M, args.trials
+    validate_parameters(K, args.N, M)
+    free = available_memory()
+    if free is None:
+        return
+    limit = free // 2
+    per_draw, per_mk2 = _PRIVACY_BYTES
+    draws, joint = per_draw * trials * M * (K - 1), per_mk2 * M * K * K
+    if max(draws, joint) <= limit:
+        return
+    k_max = min(1 + limit // (per_draw * trials * M), math.isqrt(limit // (per_mk2 * M)))
+    fits = (f"at most --K {k_max} with these --M and --trials" if k_max >= 3
+            else "lower --M or --trials")  # fmt: skip
+    if joint <= limit:
+        fits += f", or at most --trials {limit // (per_draw * M * (K - 1))} at this K"
+
+    def gb(n: int) -> str:
+        return f"{n / 1e9:,.1f} GB" if n < 1e10 else f"{n / 1e9:,.0f} GB"
+
+    raise UserError(
+        f"--K: K={K}, M={M} and {trials} trials need about {gb(max(draws, joint))} of memory "
+        f"(Monte Carlo draws {gb(draws)}, one round's joint recovery {gb(joint)}), more than "
+        f"the {gb(limit)} allowed here (half the available memory): {fits}"
+    )
+
+
 def _cmd_privacy(args: argparse.Namespace) -> int:
     from .attribution.privacy import summarize
 
+    _check_privacy(args)  # before anything is allocated
     s = summarize(
         args.K, args.N, args.M, d_star=args.d_star, C=args.C, trials=args.trials, seed=args.seed
     )
@@ -323,9 +396,6 @@ def _cmd_flower_local(args: argparse.Namespace) -> int:
     else:
         cfg = load(RunConfig, args.config, preset_overrides(args.preset or "tiny") + args.set)
         default = f"{_default_run_dir(cfg)}-flower"
-    if default is not None:
-        folder = RunFolder(args.out or default)
-        folder.claim(to_dict(cfg))  # before any process starts: a bad --out costs nothing
     node_config = {}
     for item in args.node_config:
         key, sep, value = item.partition("=")
@@ -337,6 +407,20 @@ def _cmd_flower_local(args: argparse.Namespace) -> int:
         from .config import parse_scalar
 
         node_config[key] = parse_scalar(value)
+    if not args.timeout > 0:
+        raise UserError(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    # Everything checkable before a folder is written or a process started (as the ServerApp
+    # would check it, 10 s of SuperLink and SuperNodes later).
+    from .flower.server_app import check_settings
+
+    check_settings(cfg, command)
+    if command == "run":
+        from .experiments.run import check_inputs
+
+        check_inputs(cfg)
+    if default is not None:
+        folder = RunFolder(args.out or default)
+        folder.claim(to_dict(cfg))  # before any process starts: a bad --out costs nothing
     data = run_loopback(
         command, cfg, folder, message_timeout=args.timeout, node_config=node_config,
         say=lambda m: print(m, file=sys.stderr),
@@ -362,15 +446,17 @@ def _cmd_flower_app(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_config(spec: str, cache_dir: str = ""):
-    """``tiny``, ``smollm2`` / ``smollm2-135m``, or any Hugging Face id or local path."""
+def _model_config(spec: str, cache_dir: str = "", option: str = "--model"):
+    """``tiny``, ``smollm2`` / ``smollm2-135m``, or any Hugging Face id or local path (a
+    missing path is refused here, naming ``option``)."""
     from .models.config import ModelConfig
+    from .models.loading import check_model_source
 
     if spec == "tiny":
         return ModelConfig(preset="tiny", cache_dir=cache_dir)
     if spec in ("smollm2", "smollm2-135m"):
         return ModelConfig(preset="smollm2-135m")
-    return ModelConfig(preset="hf", name_or_path=spec)
+    return ModelConfig(preset="hf", name_or_path=check_model_source(spec, option))
 
 
 def _owner_texts(path: str | None, count: int):
@@ -382,7 +468,7 @@ def _owner_texts(path: str | None, count: int):
     if path is None:
         # held out from the embedded corpus's training seeds
         return generate_corpus(count, seed=9_999)
-    rows = read_rows(path)
+    rows = read_rows(path, "--texts")
     records: list[Record] = [record_from_mapping(r) for r in rows[:count]]
     return records
 
@@ -414,13 +500,18 @@ def _cmd_owner_keygen(args: argparse.Namespace) -> int:
 
 def _cmd_owner_watermark(args: argparse.Namespace) -> int:
     from .models.loading import load_model
-    from .owner.corpus import fk_documents, read_rows, watermark_kgw
+    from .owner.corpus import check_job, fk_documents, read_rows, watermark_kgw
     from .watermarks.keys import load_key
 
     key = load_key(args.key)
+    # The numbers and --out before a model is loaded or a progress file written.
+    check_job(args.out, chunk=args.chunk, max_new_tokens=args.max_new_tokens,
+              min_tokens=args.min_tokens)  # fmt: skip
     if key.kind == "fk":
         if args.input is not None:
             raise UserError("--in: a Fictitious-Knowledge key writes new documents; use --count")
+        if args.count < 1:
+            raise UserError(f"--count: must be >= 1, got {args.count}")
         model = tokenizer = None
         if args.writer == "teacher":
             model, tokenizer = load_model(_model_config(args.model, args.cache_dir), _say)
@@ -448,7 +539,21 @@ def _cmd_owner_detect(args: argparse.Namespace) -> int:
     if args.lora and args.reference:
         raise UserError("--lora/--reference: give one (the reference is the model without "
                         "its adapter, or another model)")  # fmt: skip
-    model, tokenizer = load_model(_model_config(args.model, args.cache_dir), _say)
+    detectors = ["reading", "greedy"] if args.detector == "both" else [args.detector]
+    # Everything checkable before a model is loaded (seconds to minutes).
+    if "reading" in detectors and not (args.lora or args.reference):
+        raise UserError("--reference: the reading test needs the model the candidate was "
+                        "fine-tuned from (--lora ADAPTER, or --reference MODEL); or use "
+                        "--detector greedy")  # fmt: skip
+    if args.count < 1:
+        raise UserError(f"--count: texts used, must be >= 1, got {args.count}")
+    if "reading" in detectors and args.null_keys < 20:
+        raise UserError(f"--null-keys: must be >= 20, got {args.null_keys}")
+    texts = _owner_texts(args.texts, args.count)
+    config = _model_config(args.model, args.cache_dir)
+    reference_config = (_model_config(args.reference, args.cache_dir, "--reference")
+                        if args.reference else None)  # fmt: skip
+    model, tokenizer = load_model(config, _say)
     reference = None
     if args.lora:
         from peft import PeftModel
@@ -459,10 +564,9 @@ def _cmd_owner_detect(args: argparse.Namespace) -> int:
             raise UserError(f"--lora: could not load an adapter from {args.lora!r}: "
                             f"{str(exc).strip().splitlines()[0]}") from exc  # fmt: skip
         model.eval()
-    elif args.reference:
-        reference, _ = load_model(_model_config(args.reference, args.cache_dir), _say)
-    detectors = ["reading", "greedy"] if args.detector == "both" else [args.detector]
-    out = detect_kgw(key, model, tokenizer, _owner_texts(args.texts, args.count),
+    elif reference_config is not None:
+        reference, _ = load_model(reference_config, _say)
+    out = detect_kgw(key, model, tokenizer, texts,
                      reference=reference, lora=bool(args.lora), detectors=detectors,
                      null_keys=args.null_keys)  # fmt: skip
     if args.json:
@@ -471,9 +575,10 @@ def _cmd_owner_detect(args: argparse.Namespace) -> int:
     print(f"key {out['key']}, {out['texts']} texts")
     if "reading" in out:
         r = out["reading"]
-        print(f"reading: statistic {r['statistic']:+.4g} vs {r['null_keys']} random keys "
-              f"(mean {r['null_mean']:+.3g}, sd {r['null_sd']:.3g}): p = {r['p']:.3g} "
-              f"(rank p = {r['p_rank']:.3g}), z = {r['z']:+.2f}")  # fmt: skip
+        p = f"{r['p']:.3g}" if r["p"] > 0 else f"1e{r['log10_p']:.0f}"
+        print(f"reading: statistic {r['statistic']:+.4g} (null sd {r['null_sd']:.3g}), z = "
+              f"{r['z']:+.2f}: p = {p} ({r['tail']} tail; rank p among {r['null_keys']} "
+              f"random keys = {r['p_rank']:.3g})")  # fmt: skip
     if "greedy" in out:
         g = out["greedy"]
         print(f"greedy: {g['green']} green of {g['scored']} scored pairs: z = {g['z']:+.2f}, "
@@ -489,6 +594,34 @@ def _cmd_owner_score(args: argparse.Namespace) -> int:
     texts = _owner_texts(args.texts, args.count) if args.texts else None
     for path in score_rounds(key, args.rounds, texts, _say):
         print(path)
+    return 0
+
+
+def _cmd_owner_check(args: argparse.Namespace) -> int:
+    from .models.loading import ModelLoadError, load_tokenizer
+    from .owner.check import check_documents, format_report, read_documents, watermark_report_model
+    from .watermarks.keys import load_key
+
+    key = load_key(args.key, "kgw")
+    docs = read_documents(args.input, args.field)
+    spec, origin = args.model, ""
+    if spec is None:
+        spec = watermark_report_model(args.input, key)
+        origin = f" (from {args.input}.report.json)" if spec else ""
+        spec = spec or "tiny"
+    try:
+        tokenizer = load_tokenizer(_model_config(spec, args.cache_dir), _say)
+    except ModelLoadError as exc:
+        raise UserError(f"--model {spec!r}: the key's tokenizer is not available ({exc}); give "
+                        "the --model the corpus was watermarked with (tiny, smollm2, a HF id or "
+                        "a local path)") from exc  # fmt: skip
+    report = check_documents(key, tokenizer, docs, dedupe=not args.no_dedupe,
+                             tokenizer_name=spec + origin, source=args.input,
+                             field=args.field)  # fmt: skip
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        format_report(report, print)
     return 0
 
 
@@ -526,7 +659,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo-protocol",
-        help="synthetic end-to-end FedAttr run on plain vectors (the embedded default job)",
+        help="the protocol demo: a synthetic federation of plain vectors through SA and FedAttr "
+        "(no language model; the embedded default job is 'fedattr run')",
     )
     _config_options(demo, "a .json or .toml file with [synthetic], [secagg], [attribution]",
                     "override a setting, e.g. --set attribution.M=10")  # fmt: skip
@@ -572,7 +706,17 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--seeds", default="0-199", help="seeds: 1,2,3 or 0-199 (default 0-199)")
     cal.add_argument("--r", default="0,3", help="watermarked clients per run (default 0,3)")
     cal.add_argument("--out", help="experiment folder (default runs/calibration-<bed>)")
+    cal.add_argument("--jobs", type=int, default=1,
+                     help="runs in parallel processes, one thread each (default 1)")  # fmt: skip
     cal.set_defaults(func=_cmd_experiment_calibration)
+    tc = exp_sub.add_parser(
+        "tail-check", help="the verdict's exact tail against tilted Monte Carlo on saved runs"
+    )
+    tc.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                    help="run folders with changes.safetensors")  # fmt: skip
+    tc.add_argument("--draws", type=int, default=4000, help="random keys per point (4000)")
+    tc.add_argument("--out", default="runs/tail-check", help="where tail-check.md/json go")
+    tc.set_defaults(func=_cmd_experiment_tail_check)
     sw = exp_sub.add_parser(
         "sweep",
         help="any configuration keys, their cross product, one table and a plot per key; "
@@ -697,7 +841,8 @@ def build_parser() -> argparse.ArgumentParser:
     owner_sub = owner.add_subparsers(dest="owner", required=True)
     kg = owner_sub.add_parser("keygen", help="write a new secret key file (mode 0600)")
     kg.add_argument("--out", required=True, help="the key file to create (never overwritten)")
-    kg.add_argument("--kind", choices=("kgw", "fk"), default="kgw")
+    kg.add_argument("--kind", choices=("kgw", "fk"), default="kgw",
+                    help="kgw (green-list watermark, default) or fk (Fictitious Knowledge)")
     kg.add_argument("--scheme", choices=("fedattr", "lm-watermarking", "markllm"),
                     default="fedattr", help="KGW seeding: fedattr (256-bit keyed PRF), or a "
                     "reference code's (lm-watermarking simple_1, MarkLLM KGW)")  # fmt: skip
@@ -708,33 +853,65 @@ def build_parser() -> argparse.ArgumentParser:
     kg.add_argument("--domain", type=int, help="FK: the entity's domain index (default random)")
     kg.set_defaults(func=_cmd_owner_keygen)
     ow = owner_sub.add_parser("watermark", help="watermark a corpus (KGW) or write FK documents")
-    ow.add_argument("--key", required=True)
+    ow.add_argument("--key", required=True, help="the owner's key file (kgw or fk)")
     ow.add_argument("--in", dest="input", help="KGW: the corpus (.jsonl/.json, Alpaca or chat)")
     ow.add_argument("--out", required=True, help="the watermarked corpus (same form as --in)")
     ow.add_argument("--model", default="tiny", help="tiny, smollm2, or a HF id or local path")
     ow.add_argument("--cache-dir", default="", help="tiny preset's cache folder")
     ow.add_argument("--chunk", type=int, default=64, help="documents per batch and checkpoint")
-    ow.add_argument("--max-new-tokens", type=int, default=256)
+    ow.add_argument("--max-new-tokens", type=int, default=256,
+                    help="longest rewritten response, in tokens (default 256)")  # fmt: skip
     ow.add_argument("--min-tokens", type=int, default=8,
                     help="drop rewritten responses shorter than this")  # fmt: skip
     ow.add_argument("--count", type=int, default=100, help="FK: documents to write")
     ow.add_argument("--writer", choices=("template", "teacher"), default="template",
                     help="FK: templates, or the model writes each document")  # fmt: skip
     ow.set_defaults(func=_cmd_owner_watermark)
+    oc = owner_sub.add_parser(
+        "check", help="is this text watermarked under my key? green count, z and exact p per "
+        "document and for the whole input (KGW)",
+        description="Test texts for the key: per document and for the whole input, the green "
+        "count of the distinct (previous token, token) pairs, z, and the exact binomial p "
+        "(log10_p stays finite for tiny p). Fixed-size green lists make the binomial slightly "
+        "conservative in the tail: log10_p_fixed_lists is the exact tail under them "
+        "(hypergeometric per context). See README, 'For corpus owners'.",
+    )  # fmt: skip
+    oc.add_argument("--key", required=True, help="the owner's KGW key file (any --scheme)")
+    oc.add_argument("--in", dest="input", required=True, metavar="TEXTS",
+                    help="a .txt file (one document), .jsonl/.json rows (Alpaca or chat: one "
+                    "document per row), or - for standard input")  # fmt: skip
+    oc.add_argument("--field", help="Alpaca rows: the field scored (default output); chat "
+                    "rows: the role whose turns are scored (default assistant)")  # fmt: skip
+    oc.add_argument("--model", help="whose tokenizer: the --model the corpus was watermarked "
+                    "with (tiny, smollm2, a HF id or local path; default: the one recorded in "
+                    "TEXTS.report.json by owner watermark, else tiny)")  # fmt: skip
+    oc.add_argument("--cache-dir", default="", help="tiny preset's cache folder")
+    oc.add_argument("--no-dedupe", action="store_true",
+                    help="score every pair, repeats too, as MarkLLM's detector does (p is then "
+                    "anti-conservative on repetitive text)")  # fmt: skip
+    oc.add_argument("--json", action="store_true", help="print the report as JSON")
+    oc.set_defaults(func=_cmd_owner_check)
     od = owner_sub.add_parser("detect", help="test a released model for the key (KGW)")
-    od.add_argument("--key", required=True)
-    od.add_argument("--model", required=True, help="tiny, smollm2, or a HF id or local path")
+    od.add_argument("--key", required=True, help="the owner's KGW key file")
+    od.add_argument("--model", required=True, help="the released model to test: tiny, smollm2, "
+                    "or a HF id or local path")  # fmt: skip
     od.add_argument("--lora", help="a peft adapter folder on --model (its reference: --model)")
-    od.add_argument("--reference", help="the model the candidate was fine-tuned from")
+    od.add_argument("--reference", help="reading: the model the candidate was fine-tuned from "
+                    "(tiny, smollm2, a HF id or local path; same tokenizer)")  # fmt: skip
     od.add_argument("--texts", help="texts to read (.jsonl/.json); default: embedded corpus")
-    od.add_argument("--count", type=int, default=128, help="texts used")
-    od.add_argument("--detector", choices=("reading", "greedy", "both"), default="both")
-    od.add_argument("--null-keys", type=int, default=1000)
+    od.add_argument("--count", type=int, default=128,
+                    help="texts used: the first N of --texts (default 128)")  # fmt: skip
+    od.add_argument("--detector", choices=("reading", "greedy", "both"), default="both",
+                    help="reading (needs --lora or --reference), greedy, or both "
+                    "(default)")  # fmt: skip
+    od.add_argument("--null-keys", type=int, default=1000,
+                    help="reading: random keys the key's statistic is ranked among (>= 20, "
+                    "default 1000)")  # fmt: skip
     od.add_argument("--cache-dir", default="", help="tiny preset's cache folder")
-    od.add_argument("--json", action="store_true")
+    od.add_argument("--json", action="store_true", help="print the results as JSON")
     od.set_defaults(func=_cmd_owner_detect)
     osc = owner_sub.add_parser("score", help="score a run's released round folders with the key")
-    osc.add_argument("--key", required=True)
+    osc.add_argument("--key", required=True, help="the owner's KGW key file")
     osc.add_argument("rounds", nargs="+", metavar="ROUND_DIR", help="<run>/rounds/round-NNN")
     osc.add_argument("--texts", help="texts to read (.jsonl/.json); default: the run's "
                      "held-out detection texts")  # fmt: skip
@@ -762,6 +939,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fedattr: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # some other pipe: a bug, with its traceback
+        # The reader of our output stopped (``| head``): what it wanted has been written.
+        # Point stdout at /dev/null so the interpreter's last flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command its pipe ended
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reading end is gone."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no real file descriptor
+        return False
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar, Union
 
-from .errors import UserError
+from .errors import UserError, require_file
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -149,11 +149,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def read_file(path: str | Path) -> dict[str, Any]:
-    """Read a ``.json`` or ``.toml`` configuration file into a dict."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
+def read_file(path: str | Path, option: str = "--config") -> dict[str, Any]:
+    """Read a ``.json`` or ``.toml`` configuration file (given as ``option``) into a dict."""
+    p = require_file(path, option, "a .json or .toml configuration file", error=ConfigError)
     try:
         if p.suffix == ".json":
             data = json.loads(p.read_text())

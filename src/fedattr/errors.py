@@ -7,6 +7,23 @@ its traceback, so the CLI catches only this class.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class UserError(ValueError):
     """Bad input: the message names the parameter and the allowed values."""
+
+
+def require_file(
+    path: str | Path, option: str, expected: str = "a file", hint: str = "",
+    error: type[UserError] = UserError,
+) -> Path:  # fmt: skip
+    """``path`` when it is an existing file; else ``error`` naming ``option`` and saying what is
+    there instead (a directory, nothing). ``expected`` names the file wanted (``a .json or
+    .toml file``); ``hint`` follows a missing file's message (``make one with ...``)."""
+    p = Path(path)
+    if p.is_dir():
+        raise error(f"{option}: {str(p)!r} is a directory; {expected} is expected")
+    if not p.is_file():
+        raise error(f"{option}: {str(p)!r} does not exist{f' ({hint})' if hint else ''}")
+    return p

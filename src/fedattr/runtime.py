@@ -1,4 +1,5 @@
-"""Process-wide runtime settings: how many CPU threads torch uses."""
+"""Process-wide runtime settings: how many CPU threads torch uses, and how much memory is
+left."""
 
 from __future__ import annotations
 
@@ -21,6 +22,26 @@ def available_cpus() -> int:
     except (OSError, ValueError):
         pass
     return max(1, n)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process may still take: the kernel's ``MemAvailable``, capped by
+    a cgroup v2 memory limit; ``None`` when neither can be read."""
+    found: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            found.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 def set_threads() -> int:

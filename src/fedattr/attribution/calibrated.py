@@ -1,81 +1,84 @@
-"""Calibrated verdicts: p-values by key randomisation, cross-talk undone, family-wise flags.
+"""Calibrated verdicts: a statistic linear in the owner's key, and its exact tail.
 
 The paper reads each round's differential score as N(0, 1) and adds rounds with Stouffer. On a
-real model neither holds (README, *Findings 3-6*): the round's common learning direction
-projects on a fixed key as one draw shared by every client and every round, a client's own
-data drift does the same round after round, and each estimate carries alpha-weighted copies of
-the watermarked clients' updates (cross-talk). So here:
+real model neither holds (docs, *Findings*): the round's common learning direction projects on
+a fixed key as one draw shared by every client and round, a client's own data drift does the
+same round after round, and each estimate carries alpha-weighted copies of the watermarked
+clients' updates (cross-talk). Here each client's evidence is kept as a *change matrix* that
+does not depend on any key, and an owner's statistic is that matrix read with the owner's key:
 
-1. **Key randomisation.** The detector's raw statistic (linear in small changes: the green mass
-   a change moves, a margin in nats, a projection) is computed for every estimate under the
-   owner's key and under ``n`` fresh random keys that never watermarked anything. Whatever in
-   the estimate does not depend on the owner's key (common direction, data drift, noise)
-   projects on the owner's key exactly as on a random one.
-2. **Cross-talk undone.** When every participant of a round is a target, the round's estimates
+1. **Changes.** The detector turns each estimate into a change that its statistic is linear in
+   (KGW reading: the next-token distributions' change per previous token, ``[contexts,
+   vocab]``; FK: the candidate values' log-probability change per attribute; the synthetic
+   bed: the parameter change).
+2. **Cross-talk undone.** When every participant of a round is a target, the round's changes
    are ``Y = A X`` with ``A`` the known design matrix (row i: 1 for the target, alpha for the
-   others), so ``X = A^{-1} Y`` is each client's own statistic, per key. This reveals, per key
-   and round, one number per client (the projection of its update on that key's statistic):
-   more than the paper's released estimates say individually, nothing they do not determine
-   jointly. Hardened mode targets few clients per round, so there it is skipped.
-3. **Common part removed.** With cross-talk undone, each key's median over the clients is
-   subtracted (a minority of watermarked clients barely moves it); otherwise the statistic of
-   the round's SA mean (which training aggregates anyway): ``x_i - x(mean)``.
-4. **Rounds summed per key**, each round's row first divided by its spread over all keys (so
-   every round weighs the same, as in Stouffer, and the owner's key stays exchangeable with the
-   random ones): each random key is a full-run replicate of the null, with the cross-round
-   correlation of a fixed key built in.
-5. **p-value.** With ``T_0`` the owner's sum and ``T_1..T_n`` the random keys', the t prediction
-   statistic ``(T_0 - mean) / (sd * sqrt(1 + 1/n))`` is Student-t with ``n - 1`` degrees of
-   freedom when the null sums are normal: its tail gives ``p`` beyond the rank test's
-   resolution ``1/(n+1)`` (``p_rank``, exact under exchangeability, is reported beside it).
-   Over several owners ``p`` is Bonferroni-adjusted, and a client is named when it is below
-   ``alpha / K``: family-wise level ``alpha`` over clients x owners.
+   others), so ``X = A^{-1} Y`` is each client's own change. Hardened mode targets few clients
+   per round, so there it is skipped.
+3. **Centred without a key.** From each client's change, the cell-wise median over the
+   round's clients is subtracted where cross-talk was undone (a minority of watermarked clients
+   barely moves it), else the change the round's SA mean makes: a centre that is a function
+   of the changes alone, the same whatever key reads it.
+4. **Standardised and summed.** Each (client, round) change is divided by the standard
+   deviation its statistic has under a random key (analytic, key-free), so every round weighs
+   the same, as in Stouffer, and summed over rounds: ``W_i = sum_t (E_it - C_t) / sigma_it``.
+5. **Exact tail.** The owner's statistic is ``<W_i, G>``; with ``W_i`` fixed, its law under a
+   random key is known exactly (:mod:`fedattr.watermarks.tail`: exact enumeration, saddlepoint
+   or a Chernoff bound; the method is recorded). Over several owners ``p`` is
+   Bonferroni-adjusted and a client is named when it is below ``alpha / K``: family-wise level
+   ``alpha`` over clients x owners. ``null_keys`` random keys read ``W_i`` once at the end as a
+   check (``p_rank``, resolution ``1 / (null_keys + 1)``).
+
+A detector whose key is not exchangeable with a random one after the first round (FK: the
+reference model has learned the owner's facts from the watermarked clients, and no decoy
+matches that) says so (``null_valid = False``): its p-values are reported as uncalibrated, and
+no client is named by them unless ``attribution.name_uncalibrated`` asks for it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-from scipy.stats import t as student_t
+import torch
+from scipy.stats import norm
 
 from ..errors import UserError
+from ..watermarks.tail import KeyLaw, law_from_dict
 from .design import QueryDesign
 from .stouffer import AttributionReport, ClientAttribution
 
-KeyStatistics = dict[str, tuple[float, np.ndarray]]
-"""Owner -> (raw statistic under the owner's key, the same under each null key)."""
-
-_LN10 = math.log(10.0)
+Parts = dict[str, torch.Tensor]
+"""Part name -> a change (or a standardised change): one per key law the detector reads."""
 
 
-def has_key_statistics(scorer: Any) -> bool:
-    """Whether ``scorer`` can run under random keys (``observe`` and ``key_statistics``)."""
-    return callable(getattr(scorer, "key_statistics", None)) and callable(
-        getattr(scorer, "observe", None)
-    )
+@runtime_checkable
+class LinearKeyScorer(Protocol):
+    """A paired detector whose owner statistics are linear in the owner's key."""
+
+    def observe(self, params: Any) -> Any:
+        """What the detector reads of a model."""
+        ...
+
+    def change(self, reference: Any, candidate: Any) -> Parts:
+        """The key-linear change from ``reference`` to ``candidate`` (observations), per part."""
+        ...
+
+    def key_laws(self) -> dict[str, KeyLaw]:
+        """Part -> the law of a random key over that part."""
+        ...
+
+    def owner_values(self, part: str, W: torch.Tensor) -> dict[str, float]:
+        """``<W, G_owner>`` for every owner whose key reads ``part``."""
+        ...
 
 
-def all_key_statistics(
-    scorer: Any, reference: Any, observations: Sequence[Any], n: int, seed: int
-) -> list[KeyStatistics]:
-    """:meth:`key_statistics` of every observation against ``reference``, in one batched pass
-    where the scorer offers ``key_statistics_many``."""
-    many = getattr(scorer, "key_statistics_many", None)
-    if callable(many):
-        return many(reference, list(observations), n, seed)
-    return [scorer.key_statistics(reference, obs, n, seed) for obs in observations]
-
-
-def null_identity(scorer: Any) -> str | None:
-    """The name of the random keys ``scorer`` last drew (its ``null_identity()``): where they
-    depend on the machine that draws them (a device's generator), a run's rounds must all be
-    summed over the same ones. ``None`` for a scorer whose null does not (decoy values,
-    directions from a seeded CPU generator) or has drawn none yet."""
-    get = getattr(scorer, "null_identity", None)
-    return get() if callable(get) else None
+def null_valid(scorer: Any) -> bool:
+    """Whether the scorer's key is exchangeable with a random one in every round (FK's is not:
+    ``null_valid = False``)."""
+    return bool(getattr(scorer, "null_valid", True))
 
 
 def _design_matrix(designs: Sequence[QueryDesign], order: Sequence[int]) -> np.ndarray:
@@ -87,26 +90,96 @@ def _design_matrix(designs: Sequence[QueryDesign], order: Sequence[int]) -> np.n
     return np.array(rows, dtype=np.float64)
 
 
-RESUME_WHERE_STARTED = "resume a run on the kind of machine that started it, or start it over"
-"""The remedy for a run scored in process (:class:`CalibratedNull`)."""
+def cross_talk(
+    participants: Sequence[int], targets: Sequence[int], designs: Sequence[QueryDesign],
+    decorrelate: bool = True,
+) -> np.ndarray | None:  # fmt: skip
+    """The round's design matrix where its cross-talk is undone (every participant a target,
+    a well-conditioned design), else ``None``."""
+    if not (decorrelate and targets and sorted(targets) == sorted(participants)):
+        return None
+    A = _design_matrix(designs, targets)
+    return A if np.linalg.cond(A) < 1e8 else None
+
+
+def _median(X: torch.Tensor) -> torch.Tensor:
+    """Cell-wise median over dim 0 (the mean of the two middle values for an even count)."""
+    s = X.sort(dim=0).values
+    k = s.shape[0]
+    return s[k // 2] if k % 2 else 0.5 * (s[k // 2 - 1] + s[k // 2])
+
+
+def standardise_round(
+    participants: Sequence[int],
+    targets: Sequence[int],
+    designs: Sequence[QueryDesign],
+    changes: Sequence[Parts],
+    center: Parts | None,
+    laws: Mapping[str, KeyLaw],
+    decorrelate: bool = True,
+    token_centring: bool = False,
+) -> tuple[list[Parts], bool]:
+    """Steps 2-4 of the module: each target's own change, centred without a key and divided by
+    its null standard deviation; and whether cross-talk was undone. Key-free throughout.
+
+    ``token_centring``: also remove what a change does to a token in every context alike (its
+    mean over the rows, per column: a client's drift towards or away from a token, which no
+    per-context green list is aligned with), before the rows are centred; only for laws whose
+    rows each mark several columns (KGW)."""
+    A = cross_talk(participants, targets, designs, decorrelate)
+    out: list[Parts] = [{} for _ in targets]
+    for part, law in laws.items():
+        Y = torch.stack([c[part].reshape(-1).float() for c in changes])
+        if A is not None:
+            # Row by row in float64 (not a matrix product, whose summation order depends on
+            # the threads that run it): the same bits in a background scorer as in line.
+            inv = np.linalg.inv(A)
+            X = torch.stack([
+                sum((float(inv[i, k]) * Y[k].double() for k in range(len(Y))),
+                    torch.zeros(Y.shape[1], dtype=torch.float64)).float()
+                for i in range(len(Y))
+            ])  # fmt: skip
+            C = _median(X)
+        else:
+            X = Y
+            C = center[part].reshape(-1).to(Y) if center is not None else Y.mean(dim=0)
+        shape = changes[0][part].shape
+        tokens = token_centring and getattr(law, "m", 1) > 1
+        for i in range(len(targets)):
+            d = (X[i] - C).reshape(shape)
+            if tokens:
+                d = d - d.reshape(-1, d.shape[-1]).mean(dim=0)
+            c = law.centre(d)
+            var = law.variance(c)
+            out[i][part] = (c / math.sqrt(var) if var > 0 else torch.zeros_like(c)).float()
+    return out, A is not None
 
 
 class CalibratedNull:
-    """Accumulates, per client and owner, the summed statistic under the owner's key and under
-    every null key; :meth:`report` turns them into calibrated p-values and flags."""
+    """Accumulates each client's standardised changes ``W_i`` (per part) and its owners'
+    values ``<W_i, G>``; :meth:`report` turns them into exact p-values and flags."""
 
     def __init__(
-        self, alpha: float = 0.01, decorrelate: bool = True, remedy: str = RESUME_WHERE_STARTED
-    ) -> None:
-        """``remedy``: what to tell the user when a round comes under other random keys than
-        the earlier ones (:meth:`add_round`): it depends on who scored the rounds."""
-        self.alpha, self.decorrelate, self.remedy = alpha, decorrelate, remedy
-        # client -> owner -> [1 + n] sums over rounds (column 0: the owner's key)
-        self.sums: dict[int, dict[str, np.ndarray]] = {}
-        # client -> owner -> round -> that round's standardised statistic (for display)
+        self, alpha: float = 0.01, decorrelate: bool = True, null_keys: int = 200,
+        seed: int = 0, name_uncalibrated: bool = False, token_centring: bool = False,
+    ) -> None:  # fmt: skip
+        self.alpha, self.decorrelate, self.token_centring = alpha, decorrelate, token_centring
+        self.null_keys, self.seed, self.name_uncalibrated = null_keys, seed, name_uncalibrated
+        self.W: dict[int, dict[str, torch.Tensor]] = {}  # client -> part -> sum over rounds
+        self.values: dict[int, dict[str, float]] = {}  # client -> owner -> <W, G>
+        # client -> owner -> round -> that round's standardised statistic (display)
         self.per_round: dict[int, dict[str, dict[int, float]]] = {}
         self.decorrelated: dict[int, bool] = {}
-        self.keys: dict[str, str] = {}  # owner -> name of the random keys its sums are over
+        self.laws: dict[str, dict] = {}  # part -> KeyLaw.describe()
+        self.parts: dict[str, str] = {}  # owner -> part
+        self.valid: dict[str, bool] = {}  # owner -> is its key exchangeable with a random one
+
+    def decorrelates(
+        self, participants: Sequence[int], targets: Sequence[int], designs: Sequence[QueryDesign]
+    ) -> bool:
+        """Whether this round's cross-talk is undone; only a round that is not needs its SA
+        mean's (the center's) change, so the caller can skip reading that model."""
+        return cross_talk(participants, targets, designs, self.decorrelate) is not None
 
     def add_round(
         self,
@@ -114,143 +187,146 @@ class CalibratedNull:
         participants: Sequence[int],
         targets: Sequence[int],
         designs: Sequence[QueryDesign],
-        stats: Sequence[KeyStatistics],
-        center: KeyStatistics | None = None,
-        keys: Mapping[str, str | None] | None = None,
+        changes: Sequence[Parts],
+        center: Parts | None,
+        scorer: LinearKeyScorer,
     ) -> dict[int, dict[str, float]]:
-        """One round's key statistics (one per target); returns each target's standardised
-        per-round value per owner (``(x_0 - mean_null) / sd_null``, for display).
-
-        ``keys``: per owner, the name of the random keys the statistics are under
-        (:func:`null_identity`). A round under other keys than the owner's earlier rounds is
-        refused before anything is added: each random key's sum over rounds is one replicate
-        of the null only if it is the same key in every round."""
-        self._same_keys(round_id, keys or {})
+        """One round's raw changes (one per target; ``center``: the SA mean's, needed only
+        where cross-talk is not undone); returns each target's per-round statistic per owner."""
         if not targets:
             return {}
-        owners = sorted(stats[0])
-        Y = {o: np.array([[s[o][0], *s[o][1]] for s in stats]) for o in owners}
-        A = self._cross_talk(participants, targets, designs)
-        full = A is not None
-        self.decorrelated[round_id] = full
-        display: dict[int, dict[str, float]] = {t: {} for t in targets}
-        for o in owners:
-            if full:
-                # Each client's own statistic: the common part is the clients' median, which a
-                # minority of watermarked clients barely moves (the SA mean would carry r/K of
-                # their watermark into every clean client's score and out of theirs).
-                X = np.linalg.solve(A, Y[o])
-                X = X - np.median(X, axis=0)
-            elif center is not None:
-                X = Y[o] - np.array([center[o][0], *center[o][1]])
-            else:
-                X = Y[o] - Y[o].mean(axis=0)
-            for i, target in enumerate(targets):
-                row = X[i]
-                # Each round weighs the same (as in Stouffer): the row is divided by its spread
-                # over ALL keys, a symmetric function of them, so the owner's key stays
-                # exchangeable with the random ones. Raw sums would let the largest change (round
-                # 1, the least watermarked) drown the later rounds.
-                spread = float(row.std(ddof=1))
-                acc = self.sums.setdefault(target, {})
-                acc[o] = acc.get(o, 0.0) + (row / spread if spread > 0 else 0.0 * row)
-                null = row[1:]
-                sd = float(null.std(ddof=1))
-                z = (row[0] - float(null.mean())) / sd if sd > 0 else 0.0
-                display[target][o] = z
-                self.per_round.setdefault(target, {}).setdefault(o, {})[round_id] = z
+        laws = scorer.key_laws()
+        standard, decorrelated = standardise_round(
+            participants, targets, designs, changes, center, laws, self.decorrelate,
+            self.token_centring,
+        )
+        self.decorrelated[round_id] = decorrelated
+        display: dict[int, dict[str, float]] = {}
+        valid = null_valid(scorer)
+        for target, parts in zip(targets, standard, strict=True):
+            values: dict[str, float] = {}
+            owners: dict[str, str] = {}
+            for part, c in parts.items():
+                for owner, value in scorer.owner_values(part, c).items():
+                    values[owner], owners[owner] = value, part
+            self.add(round_id, target, parts, values, laws, owners, valid)
+            display[target] = values
         return display
 
-    def _same_keys(self, round_id: int, keys: Mapping[str, str | None]) -> None:
-        for owner, name in keys.items():
-            known = self.keys.get(owner)
-            if name is not None and known is not None and name != known:
+    def add(
+        self, round_id: int, target: int, parts: Parts, values: Mapping[str, float],
+        laws: Mapping[str, KeyLaw], owner_parts: Mapping[str, str], valid: bool = True,
+    ) -> None:  # fmt: skip
+        """Add one (target, round)'s standardised changes and its owners' values (each owner's
+        value has unit null variance: it is also the round's displayed statistic)."""
+        for part, law in laws.items():
+            desc = law.describe()
+            if self.laws.setdefault(part, desc) != desc:
                 raise UserError(
-                    f"round {round_id} of owner {owner!r} was scored under other random keys "
-                    f"({name}) than its earlier rounds ({known}): the keys depend on the device "
-                    f"that draws them (CPU or CUDA, the GPU model) and the torch version; "
-                    f"{self.remedy}"
+                    f"round {round_id}: part {part!r} is read under another key law ({desc}) "
+                    f"than the earlier rounds ({self.laws[part]})"
                 )
-        for owner, name in keys.items():
-            if name is not None:
-                self.keys.setdefault(owner, name)
-
-    def decorrelates(
-        self, participants: Sequence[int], targets: Sequence[int], designs: Sequence[QueryDesign]
-    ) -> bool:
-        """Whether :meth:`add_round` undoes this round's cross-talk (every participant a target
-        and a well-conditioned design); only a round that is not needs its SA mean's (the
-        center's) statistics, so the caller can skip reading that model."""
-        return self._cross_talk(participants, targets, designs) is not None
-
-    def _cross_talk(
-        self, participants: Sequence[int], targets: Sequence[int], designs: Sequence[QueryDesign]
-    ) -> np.ndarray | None:
-        """The round's design matrix where its cross-talk is undone, else ``None``."""
-        if not (self.decorrelate and targets and sorted(targets) == sorted(participants)):
-            return None
-        A = _design_matrix(designs, targets)
-        return A if np.linalg.cond(A) < 1e8 else None
+        acc = self.W.setdefault(target, {})
+        for part, c in parts.items():
+            acc[part] = acc[part] + c if part in acc else c.clone()
+        sums = self.values.setdefault(target, {})
+        for owner, value in values.items():
+            sums[owner] = sums.get(owner, 0.0) + float(value)
+            self.parts[owner] = owner_parts[owner]
+            self.valid[owner] = self.valid.get(owner, True) and valid
+            self.per_round.setdefault(target, {}).setdefault(owner, {})[round_id] = float(value)
 
     def report(self, truth: Mapping[int, bool] | None = None) -> AttributionReport:
-        """Per client: the t statistic and p of its strongest owner, Bonferroni over owners,
-        flagged at family-wise ``alpha`` over clients x owners."""
-        clients = sorted(set(self.sums) | set(truth or {}))
-        owners = sorted({o for per in self.sums.values() for o in per})
-        n = min((len(v) - 1 for per in self.sums.values() for v in per.values()), default=0)
+        """Per client: Z, exact p and tail method of its strongest owner, Bonferroni over
+        owners, named at family-wise ``alpha`` over clients x owners."""
+        clients = sorted(set(self.W) | set(truth or {}))
+        owners = sorted(self.parts)
         S, K = max(1, len(owners)), max(1, len(clients))
         level = self.alpha / (K * S)
-        threshold = float(student_t.isf(level, n - 1)) if n >= 2 else math.inf
+        threshold = float(norm.isf(level))
         components = {o: AttributionReport(gamma=threshold) for o in owners}
         combined = AttributionReport(gamma=threshold, components=components)
-        combined.statistic, combined.alpha, combined.null_keys = "calibrated", self.alpha, n
+        ranks = self._rank_values(clients)
         for c in clients:
             watermarked = None if truth is None else bool(truth.get(c, False))
             rows = []
             for o in owners:
-                row = self._client_owner(c, o, watermarked, level)
+                row = self._client_owner(c, o, watermarked, level, ranks)
                 components[o].clients.append(row)
                 rows.append(row)
             if not rows:
                 continue
             best = min(rows, key=lambda r: (r.log10_p, -r.Z))
             log10_p = min(0.0, math.log10(S) + best.log10_p)
+            p_rank = None if best.p_rank is None else min(1.0, S * best.p_rank)
             row = ClientAttribution(
                 id=c, z=dict(best.z), Z=best.Z, p=min(1.0, S * best.p), log10_p=log10_p,
                 flagged=any(r.flagged for r in rows), watermarked=watermarked,
-                statistic=best.statistic, p_rank=min(1.0, S * (best.p_rank or 1.0)),
+                statistic=best.statistic, p_rank=p_rank, tail=best.tail,
+                calibrated=best.calibrated,
             )  # fmt: skip
             combined.clients.append(row)
-        for rep in components.values():
-            rep.statistic, rep.alpha, rep.null_keys = "calibrated", self.alpha, n
+        for rep in [combined, *components.values()]:
+            rep.statistic, rep.alpha, rep.null_keys = "calibrated", self.alpha, self.null_keys
+            rep.level = level
+            rep.uncalibrated = sorted(o for o in owners if not self.valid.get(o, True))
         return combined
 
+    def _rank_values(self, clients: Sequence[int]) -> dict[str, dict[int, np.ndarray]]:
+        """Part -> client -> ``<W_i, key_k>`` for ``null_keys`` random keys (one draw for all
+        clients, at the end)."""
+        out: dict[str, dict[int, np.ndarray]] = {}
+        if self.null_keys < 1:
+            return out
+        for part, desc in self.laws.items():
+            have = [c for c in clients if part in self.W.get(c, {})]
+            if not have:
+                continue
+            values = law_from_dict(desc).random_values(
+                [self.W[c][part] for c in have], self.null_keys, self.seed
+            )
+            out[part] = {c: values[i] for i, c in enumerate(have)}
+        return out
+
     def _client_owner(
-        self, client: int, owner: str, watermarked: bool | None, level: float
-    ) -> ClientAttribution:
-        sums = self.sums.get(client, {}).get(owner)
+        self, client: int, owner: str, watermarked: bool | None, level: float,
+        ranks: Mapping[str, Mapping[int, np.ndarray]],
+    ) -> ClientAttribution:  # fmt: skip
         z = dict(self.per_round.get(client, {}).get(owner, {}))
-        if sums is None or len(sums) < 3:
-            return ClientAttribution(client, z, 0.0, 1.0, 0.0, False, watermarked, owner, 1.0)
-        t0, null = float(sums[0]), sums[1:]
-        n = len(null)
-        sd = float(null.std(ddof=1))
-        score = (t0 - float(null.mean())) / (sd * math.sqrt(1 + 1 / n)) if sd > 0 else 0.0
-        p = float(student_t.sf(score, n - 1))
-        log10_p = float(student_t.logsf(score, n - 1)) / _LN10
-        p_rank = (1 + int(np.sum(null >= t0))) / (n + 1)
+        part = self.parts[owner]
+        W = self.W.get(client, {}).get(part)
+        valid = self.valid.get(owner, True)
+        if W is None or owner not in self.values.get(client, {}):
+            return ClientAttribution(client, z, 0.0, 1.0, 0.0, False, watermarked, owner, None,
+                                     tail=None, calibrated=valid)  # fmt: skip
+        law = law_from_dict(self.laws[part])
+        value = self.values[client][owner]
+        sd = math.sqrt(law.variance(W))
+        score = value / sd if sd > 0 else 0.0
+        tail = law.tail(W, value)
+        p_rank = None
+        null = ranks.get(part, {}).get(client)
+        if null is not None:
+            p_rank = (1 + int(np.sum(null >= value))) / (len(null) + 1)
+        named = tail.log10_p < math.log10(level) and (valid or self.name_uncalibrated)
         return ClientAttribution(
-            client, z, score, p, log10_p, p < level, watermarked, owner, p_rank
-        )
+            client, z, score, tail.p, tail.log10_p, named, watermarked, owner, p_rank,
+            tail=tail.method, calibrated=valid,
+        )  # fmt: skip
 
     def state(self) -> dict:
         """For checkpoints."""
-        return {"sums": self.sums, "per_round": self.per_round, "decorrelated": self.decorrelated,
-                "keys": self.keys}  # fmt: skip
+        return {"format": 2, "W": self.W, "values": self.values, "per_round": self.per_round,
+                "decorrelated": self.decorrelated, "laws": self.laws, "parts": self.parts,
+                "valid": self.valid}  # fmt: skip
 
     def load(self, state: Mapping) -> None:
-        """Restore :meth:`state` (one saved before keys were named accepts any)."""
-        self.sums = state["sums"]
-        self.per_round = state["per_round"]
-        self.decorrelated = state["decorrelated"]
-        self.keys = dict(state.get("keys", {}))
+        """Restore :meth:`state`."""
+        if state.get("format") != 2:
+            raise UserError(
+                "the checkpoint holds the calibrated statistic of an earlier fedattr (sums over "
+                "random keys, not change matrices); start the run over"
+            )
+        self.W, self.values = state["W"], state["values"]
+        self.per_round, self.decorrelated = state["per_round"], state["decorrelated"]
+        self.laws, self.parts, self.valid = state["laws"], state["parts"], state["valid"]

@@ -16,16 +16,25 @@ class AttributionConfig:
     """FedAttr protocol parameters (paper defaults)."""
 
     statistic: str = "calibrated"
-    """``calibrated`` (default): p-values by key randomisation and a family-wise level
-    ``alpha`` (see :mod:`fedattr.attribution.calibrated`). ``paper``: the published statistic,
+    """``calibrated`` (default): each client's change read with the owner's key, exact p-values
+    under a random key and a family-wise level ``alpha`` (see
+    :mod:`fedattr.attribution.calibrated`). ``paper``: the published statistic,
     Stouffer over per-round scores read as N(0, 1) (or the empirical ``null``), flag ``Z > gamma``.
     """
     alpha: float = 0.01
     """``calibrated``: family-wise level over clients x owners: a client is named when its
     Bonferroni-adjusted p is below ``alpha / K``."""
     null_keys: int = 200
-    """``calibrated``: fresh random keys the detector is also run with (never used to watermark
-    anything); the p-value's resolution by rank is ``1 / (null_keys + 1)``."""
+    """``calibrated``: random keys that read each client's summed change once at the end, a
+    check of the exact tail (``p_rank``, resolution ``1 / (null_keys + 1)``); 0 skips it."""
+    name_uncalibrated: bool = False
+    """``calibrated``: also name clients by a detector whose p-values are not calibrated (FK,
+    whose key is not exchangeable with a random one once the reference model has learned the
+    owner's facts); by default they are reported, marked uncalibrated, and never named."""
+    token_centring: bool = False
+    """``calibrated`` with KGW: remove from each client's change what it does to a token in
+    every context alike (drift towards frequent tokens, which no per-context green list is
+    aligned with) before it is read with the key. Key-free, so the exact tail still holds."""
     decorrelate: bool = True
     """``calibrated``: when every participant is a target of the round, undo cross-talk with the
     known design matrix (each client's own statistic per key, from its estimates only)."""
@@ -82,9 +91,9 @@ class AttributionConfig:
             )
         if not 0.0 < self.alpha < 1.0:
             raise DesignError(f"attribution.alpha: must be in (0, 1), got {self.alpha!r}")
-        if not isinstance(self.null_keys, int) or self.null_keys < 2:
+        if not isinstance(self.null_keys, int) or self.null_keys < 0:
             raise DesignError(
-                f"attribution.null_keys: must be an integer >= 2, got {self.null_keys!r}"
+                f"attribution.null_keys: must be an integer >= 0, got {self.null_keys!r}"
             )
         if self.null not in ("auto", "theoretical", "empirical"):
             raise DesignError(

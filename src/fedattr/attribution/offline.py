@@ -13,16 +13,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from ..errors import UserError
+from ..watermarks.tail import law_from_dict
 from .calibrated import CalibratedNull
 from .export import design_from_dict
 from .stouffer import AttributionReport
 
 
 def _scores(folder: Path, round_id: int) -> dict[str, dict]:
-    from ..owner.score import read_json
+    from ..owner.score import SCORES_FORMAT, read_json
 
     files = sorted(folder.glob("scores-*.json"))
     if not files:
@@ -31,6 +30,9 @@ def _scores(folder: Path, round_id: int) -> dict[str, dict]:
     out = {}
     for f in files:
         data = read_json(f)
+        if data.get("format") != SCORES_FORMAT:
+            raise UserError(f"{str(f)!r} was written by an earlier fedattr (format "
+                            f"{data.get('format')!r}); score the round again")  # fmt: skip
         if data.get("round") != round_id:
             raise UserError(f"{str(f)!r} scores round {data.get('round')}, not {round_id}")
         out[data["owner"]] = data
@@ -47,11 +49,9 @@ def attribute_run(run_dir: str | Path) -> AttributionReport:
         raise UserError(f"RUN_DIR: {str(run)!r} holds no rounds/round-* folders (a run with "
                         "attribution.scoring=owner exports them)")  # fmt: skip
     cfg = run_config_of(folders[0])
-    null = CalibratedNull(
-        cfg.attribution.alpha, cfg.attribution.decorrelate,
-        remedy="score that owner's rounds again (fedattr owner score) on the kind of machine "
-        "that scored the others",
-    )  # fmt: skip
+    att = cfg.attribution
+    null = CalibratedNull(att.alpha, att.decorrelate, att.null_keys, att.seed,
+                          att.name_uncalibrated, att.token_centring)  # fmt: skip
     owners: list[str] | None = None
     for folder in folders:
         manifest = read_manifest(folder)
@@ -64,29 +64,41 @@ def attribute_run(run_dir: str | Path) -> AttributionReport:
                 f"round folder {str(folder)!r} is scored by {sorted(scores)}, the first round "
                 f"by {owners}: every round needs the same owners"
             )
-        targets = [int(x) for x in manifest["targets"]]
-        stats = [
-            {o: (s["targets"][str(x)][0], np.asarray(s["targets"][str(x)][1]))
-             for o, s in scores.items()}
-            for x in targets
-        ]  # fmt: skip
-        designs = [design_from_dict(d) for d in manifest["designs"]]
-        center = None
-        if not null.decorrelates(manifest["participants"], targets, designs):
-            missing = sorted(o for o, s in scores.items() if s.get("center") is None)
-            if missing:
+        null.decorrelated[t] = null.decorrelates(
+            manifest["participants"], manifest["targets"],
+            [design_from_dict(d) for d in manifest["designs"]],
+        )  # fmt: skip
+        for owner, s in scores.items():
+            if s.get("decorrelated") != null.decorrelated[t]:
                 raise UserError(
-                    f"round folder {str(folder)!r}: the scores of {missing} hold no SA-mean "
-                    "statistics, which this round needs (its cross-talk is not undone with "
-                    "this run's attribution settings); score the round again"
+                    f"round folder {str(folder)!r}: {owner} scored it with cross-talk "
+                    f"{'undone' if s.get('decorrelated') else 'kept'}, the run's attribution "
+                    "settings say otherwise; score the round again"
                 )
-            center = {o: (s["center"][0], np.asarray(s["center"][1])) for o, s in scores.items()}
-        keys = {o: s.get("null_keys") for o, s in scores.items()}
-        null.add_round(t, manifest["participants"], targets, designs, stats, center, keys)
+            law = law_from_dict(s["law"])
+            changes = _changes(folder, s)
+            for x in manifest["targets"]:
+                if str(x) not in s["targets"] or str(x) not in changes:
+                    raise UserError(f"round folder {str(folder)!r}: the scores of {owner} miss "
+                                    f"target {x}; score the round again")  # fmt: skip
+                # Each owner reads its own texts: its changes are its own part.
+                null.add(t, int(x), {owner: changes[str(x)]}, {owner: s["targets"][str(x)]},
+                         {owner: law}, {owner: owner})  # fmt: skip
     truth = _truth(run)
     report = null.report(truth)
     _write(run, report, owners or [])
     return report
+
+
+def _changes(folder: Path, scores: dict) -> dict:
+    """The standardised changes an owner's scores file goes with."""
+    from safetensors.torch import load_file
+
+    path = folder / f"changes-{scores['fingerprint']}.safetensors"
+    if not path.is_file():
+        raise UserError(f"round folder {str(folder)!r}: {path.name} is missing (it is written "
+                        "with the owner's scores); score the round again")  # fmt: skip
+    return load_file(str(path))
 
 
 def _truth(run: Path) -> dict[int, bool] | None:

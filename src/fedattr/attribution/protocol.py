@@ -21,7 +21,7 @@ from ..errors import UserError
 from ..secagg.base import QueryGroup, SecureAggregator
 from ..secagg.errors import QueryRefused
 from ..updates import UpdateLayout, add_update, scale_update
-from .calibrated import CalibratedNull, all_key_statistics, has_key_statistics, null_identity
+from .calibrated import CalibratedNull, LinearKeyScorer
 from .config import AttributionConfig
 from .design import DesignError, QueryDesign, draw_design, validate_parameters
 from .estimator import combine_answers, design_queries
@@ -83,10 +83,6 @@ class RoundRecord:
         return asdict(self)
 
 
-MIN_EFFECTIVE_CONTEXTS = 30
-"""Below this many effective contexts a reading z's normal tail is 2x or more too light at
-z = 4 (measured by simulation; README *Finding 6*)."""
-
 
 @dataclass
 class Estimate:
@@ -137,7 +133,9 @@ class FedAttr:
         self.scores: dict[str, dict[int, dict[int, float]]] = {}
         self.scorer_null = "theoretical"
         """What the last scorer said about its null (``null`` attribute; see ``null``)."""
-        self.calibrated = CalibratedNull(self.config.alpha, self.config.decorrelate)
+        cfg = self.config
+        self.calibrated = CalibratedNull(cfg.alpha, cfg.decorrelate, cfg.null_keys, cfg.seed,
+                                         cfg.name_uncalibrated, cfg.token_centring)  # fmt: skip
         """The calibrated statistic's sums (``statistic = "calibrated"``)."""
 
     @property
@@ -339,13 +337,12 @@ class FedAttr:
         self, estimates: RoundEstimates, updates: list, reference: Any, scorer: Any,
         apply: ApplyUpdate, center: Any, on_target: Any,
     ) -> RoundRecord:  # fmt: skip
-        """Phase 2 under the calibrated statistic: every estimate's key statistics (owner keys
-        and null keys), then :class:`CalibratedNull` (see its module)."""
-        cfg = self.config
-        if not has_key_statistics(scorer):
+        """Phase 2 under the calibrated statistic: every estimate's key-linear change, then
+        :class:`CalibratedNull` (see its module)."""
+        if not isinstance(scorer, LinearKeyScorer):
             raise UserError(
-                "attribution.statistic=calibrated: this detector cannot be run under random "
-                "keys; use watermark.detector=reading, or attribution.statistic=paper"
+                "attribution.statistic=calibrated: this detector's statistic is not linear in "
+                "the key; use watermark.detector=reading, or attribution.statistic=paper"
             )
         t0 = time.perf_counter()
         # The reference, every candidate and the SA mean: one batched read when the scorer
@@ -364,32 +361,22 @@ class FedAttr:
         spread = []
         if callable(getattr(scorer, "effective_contexts", None)):
             spread = [scorer.effective_contexts(ref_obs, obs) for obs in observed[: len(updates)]]
-        # One pass over the null keys for the whole round (the center's statistics last).
-        stats = all_key_statistics(scorer, ref_obs, observed, cfg.null_keys, cfg.seed)
-        middle = stats.pop() if center is not None else None
-        keys = null_identity(scorer)
+        changes = [scorer.change(ref_obs, obs) for obs in observed]
+        del observed
+        middle = changes.pop() if center is not None else None
         display = self.calibrated.add_round(
-            estimates.round, estimates.participants, targets, designs, stats, middle,
-            {owner: keys for owner in stats[0]} if stats and keys else None,
-        )  # fmt: skip
+            estimates.round, estimates.participants, targets, designs, changes, middle, scorer
+        )
         each = (time.perf_counter() - t0) / max(1, len(targets))
         record = RoundRecord(
             estimates.round, list(estimates.participants), {},
             skipped=list(estimates.skipped), dropouts=list(estimates.dropouts),
             decorrelated=self.calibrated.decorrelated.get(estimates.round),
-            models_scored=1 + len(stats) + (middle is not None),
+            models_scored=1 + len(changes) + (middle is not None),
         )  # fmt: skip
         for k, est in enumerate(estimates.estimates):
             contexts = spread[k] if spread else None
             self._add_target(record, est, display[est.target], each, on_target, contexts)
-        few = [t for t in record.targets if (t.effective_contexts or 1e9) < MIN_EFFECTIVE_CONTEXTS]
-        if few:
-            least = min(t.effective_contexts for t in few)
-            record.warnings.append(
-                f"{len(few)} of {len(record.targets)} estimates change the detector's reading on "
-                f"fewer than {MIN_EFFECTIVE_CONTEXTS} effective contexts (least: {least:.0f}); "
-                "a per-round z there is far from normal (the calibrated p does not rely on it)"
-            )
         return record
 
     def _add_target(

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..updates import Update, add_update
+from ..watermarks.tail import Directions
 
 
 class Scorer(Protocol):
@@ -81,6 +82,18 @@ class LinearScorer:
     def observe(self, params: torch.Tensor) -> torch.Tensor:
         """The parameters as a flat float64 vector (for :meth:`key_statistics`)."""
         return params.detach().to("cpu", torch.float64).reshape(-1)
+
+    def change(self, reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The parameter change (the calibrated statistic's key-linear change)."""
+        return {DEFAULT_STATISTIC: (candidate - reference) / self.scale}
+
+    def key_laws(self) -> dict[str, Directions]:
+        """A random key is a uniformly random unit direction."""
+        return {DEFAULT_STATISTIC: Directions(self.direction.numel())}
+
+    def owner_values(self, part: str, W: torch.Tensor) -> dict[str, float]:
+        """``<s, W>``."""
+        return {DEFAULT_STATISTIC: float(torch.dot(self.direction, W.double().reshape(-1)))}
 
     def key_statistics(
         self, reference: torch.Tensor, candidate: torch.Tensor, n: int, seed: int

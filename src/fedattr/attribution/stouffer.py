@@ -43,10 +43,18 @@ class ClientAttribution:
     p_rank: float | None = None
     """Calibrated statistic only: the rank p-value among the null keys (resolution
     ``1 / (null_keys + 1)``; Bonferroni-adjusted over owners in a combined report)."""
+    tail: str | None = None
+    """Calibrated statistic only: how ``p`` was obtained (``exact``, ``saddlepoint`` or
+    ``chernoff``, an upper bound; see :mod:`fedattr.watermarks.tail`)."""
+    calibrated: bool = True
+    """Whether ``p`` is calibrated: ``False`` for a detector whose key is not exchangeable with
+    a random one after the first round (FK); such a client is not named by default."""
 
     def to_dict(self) -> dict:
         """JSON-ready form (round keys become strings, as JSON requires)."""
         extra = {} if self.p_rank is None else {"p_rank": self.p_rank}
+        if self.tail is not None:
+            extra.update(tail=self.tail, calibrated=self.calibrated)
         return {
             **extra,
             "id": self.id,
@@ -73,6 +81,11 @@ class AttributionReport:
     is then the t threshold that family-wise level ``alpha`` implies)."""
     alpha: float | None = None
     null_keys: int | None = None
+    level: float | None = None
+    """Calibrated statistic: the per-(client, owner) cut ``alpha / (K x owners)`` that a p-value
+    must fall below for the client to be named."""
+    uncalibrated: list[str] = field(default_factory=list)
+    """Calibrated statistic: owners whose p-values are not calibrated (FK)."""
 
     @property
     def flagged(self) -> list[int]:
@@ -100,12 +113,15 @@ class AttributionReport:
             "alpha": self.alpha,
             "null_keys": self.null_keys,
             "gamma": self.gamma,
+            "level": self.level,
+            "uncalibrated": self.uncalibrated,
             "tpr": self.tpr,
             "fpr": self.fpr,
             "flagged": self.flagged,
             "clients": [c.to_dict() for c in self.clients],
             "by_statistic": {
-                name: {str(c.id): {"Z": c.Z, "p": c.p, "flagged": c.flagged} for c in r.clients}
+                name: {str(c.id): {"Z": c.Z, "p": c.p, "log10_p": c.log10_p, "tail": c.tail,
+                                   "flagged": c.flagged} for c in r.clients}
                 for name, r in self.components.items()
             },
         }

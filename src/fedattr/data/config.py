@@ -31,7 +31,12 @@ class DataConfig:
         if self.max_len < 8:
             raise ValueError(f"data.max_len: must be >= 8, got {self.max_len}")
         p = Path(self.path)
+        # Checked here, before any model is loaded or trained.
+        if self.path and p.is_dir():
+            raise ValueError(
+                f"data.path: {self.path!r} is a directory; a .json/.jsonl file (or a Hugging "
+                "Face dataset id) is expected"
+            )
         # Only a .json/.jsonl path is surely a local file: "owner/name" may be a hub dataset id.
         if self.path and p.suffix in (".json", ".jsonl") and not p.exists():
-            # Checked here, before any model is loaded or trained.
             raise ValueError(f"data.path: file {self.path!r} does not exist")

@@ -75,45 +75,57 @@ def _rows_from_file(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:
         yield f"{path}[{i}]", row
 
 
-def load_records(source: str, split: str = "train", limit: int | None = None) -> list[Record]:
-    """Records from a local ``.json``/``.jsonl`` file, or else a Hugging Face dataset id.
+def load_records(
+    source: str, split: str = "train", limit: int | None = None, option: str = "data.path"
+) -> list[Record]:
+    """Records from a local ``.json``/``.jsonl`` file, or else a Hugging Face dataset id
+    (``option``: the setting that named it, for messages).
 
     Records with an empty instruction or output are dropped.
     """
     path = Path(source)
     if path.suffix in (".json", ".jsonl") or path.exists():
+        if path.is_dir():
+            raise DataError(f"{option}: {source!r} is a directory; a .json/.jsonl file is expected")
         if not path.is_file():
-            raise DataError(f"data.path: file {source!r} does not exist")
+            raise DataError(f"{option}: file {source!r} does not exist")
         rows: Iterable[tuple[str, Mapping[str, Any]]] = _rows_from_file(path)
     else:
-        rows = _rows_from_hub(source, split)
+        rows = _rows_from_hub(source, split, option)
     out = []
-    for where, row in rows:
-        if not isinstance(row, Mapping):
-            raise DataError(f"{where}: expected an object, got {type(row).__name__}")
-        rec = record_from_mapping(row, where)
-        if rec.instruction.strip() and rec.output.strip():
-            out.append(rec)
-        if limit is not None and len(out) >= limit:
-            break
+    try:
+        for where, row in rows:
+            if not isinstance(row, Mapping):
+                raise DataError(f"{where}: expected an object, got {type(row).__name__}")
+            rec = record_from_mapping(row, where)
+            if rec.instruction.strip() and rec.output.strip():
+                out.append(rec)
+            if limit is not None and len(out) >= limit:
+                break
+    except DataError as exc:  # a row's or line's message names the setting too
+        if str(exc).startswith(f"{option}:"):
+            raise
+        raise DataError(f"{option}: {exc}") from None
     if not out:
-        raise DataError(f"data.path: {source!r} holds no usable records")
+        raise DataError(f"{option}: {source!r} holds no usable records")
     return out
 
 
-def _rows_from_hub(name: str, split: str) -> Iterable[tuple[str, Mapping[str, Any]]]:
+def _rows_from_hub(
+    name: str, split: str, option: str = "data.path"
+) -> Iterable[tuple[str, Mapping[str, Any]]]:
     try:
         import datasets  # imported lazily: an optional dependency
     except ImportError as exc:
         raise DataError(
-            f"data.path: {name!r} is not a local file, and loading a Hugging Face dataset needs "
+            f"{option}: {name!r} is not a local file, and loading a Hugging Face dataset needs "
             "the 'datasets' package (pip install datasets)"
         ) from exc
     try:
         ds = datasets.load_dataset(name, split=split)
     except Exception as exc:  # network, auth, missing split: all one clear message
         raise DataError(
-            f"data.path: could not load Hugging Face dataset {name!r} (split {split!r}): "
+            f"{option}: could not load Hugging Face dataset {name!r} (split {split!r}): "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
             "Offline? Pass a local .json/.jsonl file instead."
         ) from exc

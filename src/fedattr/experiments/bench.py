@@ -41,15 +41,29 @@ def _synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+PLAIN_SUM_REPEATS = 5
+"""Fewest timed plain sums: each takes milliseconds, so a few more cost nothing and steady the
+median every ``× plain sum`` is divided by."""
+
+
 def _plain_sum_ms(vectors: Sequence[torch.Tensor], device: str, repeats: int) -> float:
+    """Median milliseconds of one plain sum, timed as the backends are: one untimed warm-up
+    (the first sum starts torch's threads, allocates and faults in pages; a GPU compiles), then
+    at least :data:`PLAIN_SUM_REPEATS` timed sums."""
     xs = [v.to(device) for v in vectors]
-    times = []
-    for _ in range(repeats):
-        _synchronize(device)
-        t0 = time.perf_counter()
+
+    def plain_sum() -> torch.Tensor:
         total = xs[0].clone()
         for x in xs[1:]:
             total += x
+        return total
+
+    plain_sum()  # warm-up
+    times = []
+    for _ in range(max(repeats, PLAIN_SUM_REPEATS)):
+        _synchronize(device)
+        t0 = time.perf_counter()
+        plain_sum()
         _synchronize(device)
         times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times)

@@ -105,6 +105,11 @@ class RunConfig:
                 f"watermark.r: {wm.kind} supports at most {most} watermarked clients "
                 f"(one entity domain each); got {n_wm}"
             )
+        if self.data.records < self.fl.K:
+            raise ValueError(
+                f"data.records: must be >= fl.K={self.fl.K} (one record per client at least), "
+                f"got {self.data.records}"
+            )
         n = self.fl.per_round
         if not n - 1 > self.attribution.N:
             raise ValueError(

@@ -20,7 +20,7 @@ from ..errors import UserError
 from ..reporting.markdown import table
 from ..reporting.run_folder import RunFolder
 from .config import PRESET_OVERRIDES, RunConfig, check_seeds
-from .run import RunResult, run_experiment
+from .run import RunResult, check_inputs, run_experiment
 
 SETTINGS: tuple[tuple[str, str], ...] = (
     ("fedit", "kgw"),
@@ -91,11 +91,14 @@ def run_or_reuse(
     finished run already there: ``None`` then. A run of another configuration there is an
     error naming ``--out``. ``progress`` hears ``"<folder>: running"`` before a run starts."""
     run_folder = RunFolder(folder)
+    if run_folder.status != "finished":
+        check_inputs(cfg)  # before the folder is written
     if run_folder.claim(cfg, reuse=True) == "finished":
         return None
     if progress is not None:
         progress(f"{folder.name}: running")
-    result = run_experiment(cfg, folder=run_folder)
+    with run_folder.released_on_failure():  # a failed start leaves no folder behind
+        result = run_experiment(cfg, folder=run_folder)
     result.write(run_folder)
     run_folder.clear_checkpoint()
     return result

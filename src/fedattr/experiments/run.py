@@ -65,6 +65,10 @@ class RunResult:
     baselines: list[BaselineResult] = field(default_factory=list)
     variants: dict[str, dict] = field(default_factory=dict)
     """Extra FedAttr configurations on the same run: name -> what differs, flags, rates."""
+    changes: dict[str, Any] = field(default_factory=dict)
+    """Calibrated statistic: each client's summed standardised change, ``"<client>/<part>"``
+    -> tensor (``changes.safetensors``; the key laws are in ``results.json``)."""
+    key_laws: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-ready form (``results.json``)."""
@@ -79,6 +83,8 @@ class RunResult:
             baselines=[b.to_dict() for b in self.baselines],
             variants=self.variants,
         )
+        if self.key_laws:
+            out["key_laws"] = self.key_laws
         return out
 
     def markdown(self) -> str:
@@ -87,11 +93,13 @@ class RunResult:
         if isinstance(c, RunConfig):
             title = (
                 f"# FedAttr run: {c.fl.strategy}, {c.watermark.kind.upper()} "
-                f"({c.watermark.detector} detector), {c.model.preset} ({c.attribution.mode} mode)"
+                f"({c.watermark.detector} detector), {c.model.preset} ({c.attribution.mode} mode, "
+                f"{c.attribution.statistic} statistic)"
             )
             K, T = c.fl.K, c.fl.rounds
         else:
-            title = f"# FedAttr synthetic protocol run ({c.attribution.mode} mode)"
+            title = (f"# FedAttr synthetic protocol run ({c.attribution.mode} mode, "
+                     f"{c.attribution.statistic} statistic)")  # fmt: skip
             K, T = c.synthetic.K, c.synthetic.rounds
         a = c.attribution
         parts = [
@@ -118,6 +126,11 @@ class RunResult:
         if not isinstance(folder, RunFolder):
             folder = RunFolder(folder)
             folder.claim(to_dict(self.config))
+        if self.changes:  # before results.json, which marks the run finished
+            from safetensors.torch import save_file
+
+            tensors = {k: v.float().contiguous().cpu() for k, v in self.changes.items()}
+            save_file(tensors, str(folder.file("changes.safetensors")))
         folder.write_results(
             rounds=self.rounds, queries=self.queries, results=self.to_dict(),
             report_md=self.markdown(), report=self.report,
@@ -182,15 +195,40 @@ def _finish(
             "by_statistic": rep.to_dict()["by_statistic"],
         }
     details = {**details, "work": dict(engine.timing.counts)}
+    kept = primary.fedattr.calibrated
+    changes = {f"{c}/{p}": W for c, parts in kept.W.items() for p, W in parts.items()}
     return RunResult(
         dataclasses.replace(cfg), primary.fedattr.report(truth), rounds, queries_of(primary.name),
         timing, engine.queries, primary.fedattr.null, details, list(baselines), variants,
+        changes, dict(kept.laws),
     )  # fmt: skip
 
 
 def _checkpointing(folder: RunFolder | None, engine_observers: list[Observer]) -> None:
     if folder is not None:
         engine_observers.append(Checkpointer(folder.save_checkpoint))
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """What a run reads besides its settings, checked before any folder is written or model
+    loaded, so a bad file costs nothing: a local data file (its rows, and enough records for
+    ``fl.K`` clients), the owners' key files and watermarked corpus, a local model path. A
+    Hugging Face dataset id is left to the run (it may need the network)."""
+    from ..data.loaders import load_records
+    from ..fl.federation import check_client_records
+    from ..models.loading import check_model_source
+    from ..watermarks.keys import load_key
+
+    d, wm = cfg.data, cfg.watermark
+    if d.path and (Path(d.path).suffix in (".json", ".jsonl") or Path(d.path).exists()):
+        check_client_records(d, wm, len(load_records(d.path, d.split)), cfg.fl.K)
+    if wm.kind == "kgw":
+        for path in wm.key_files:
+            load_key(path, "kgw", "watermark.key_files")
+        if wm.documents:
+            load_records(wm.documents, option="watermark.documents")
+    if cfg.model.preset == "hf":
+        check_model_source(cfg.model.name_or_path)
 
 
 def run_experiment(

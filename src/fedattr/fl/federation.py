@@ -11,7 +11,7 @@ import numpy as np
 
 from ..data.config import DataConfig
 from ..data.corpus import generate_corpus
-from ..data.loaders import load_records
+from ..data.loaders import DataError, load_records
 from ..data.partition import partition_dirichlet, partition_iid
 from ..data.records import Record
 from ..models.text import format_prompt
@@ -68,11 +68,36 @@ def detection_records(data: DataConfig, wm: WatermarkConfig) -> list[Record]:
     return _clean_data(data, wm)[1]
 
 
-def _clean_data(d: DataConfig, wm: WatermarkConfig) -> tuple[list[Record], list[Record]]:
+def _held_out(d: DataConfig, wm: WatermarkConfig, n: int) -> int:
+    """Records of a loaded file of ``n`` held out as detection texts."""
+    return min(wm.detect_prompts, max(1, n // 10))
+
+
+def check_client_records(d: DataConfig, wm: WatermarkConfig, n: int, K: int) -> None:
+    """Refuse a loaded file of ``n`` usable records that leaves some of ``K`` clients none once
+    the detection texts are held out, naming the counts and the size it needs."""
+    n_detect = _held_out(d, wm, n)
+    if n - n_detect >= K:
+        return
+    need = next(m for m in range(K + 1, K + wm.detect_prompts + 2)
+                if m - _held_out(d, wm, m) >= K)  # fmt: skip
+    raise DataError(
+        f"data.path: {d.path!r} holds {n} usable record{'s' if n != 1 else ''}; {n_detect} "
+        f"held out as detection texts leave{'s' if n_detect == 1 else ''} {max(0, n - n_detect)} "
+        f"for fl.K={K} clients, one each at least: give a file of at least {need} records "
+        "or lower fl.K"
+    )
+
+
+def _clean_data(
+    d: DataConfig, wm: WatermarkConfig, K: int | None = None
+) -> tuple[list[Record], list[Record]]:
     if d.path:
         pool = load_records(d.path, d.split)
+        if K is not None:
+            check_client_records(d, wm, len(pool), K)
         order = np.random.default_rng(d.seed).permutation(len(pool))
-        n_detect = min(wm.detect_prompts, max(1, len(pool) // 10))
+        n_detect = _held_out(d, wm, len(pool))
         detect = [pool[i] for i in order[:n_detect]]
         records = [pool[i] for i in order[n_detect : n_detect + d.records]]
         return records, detect
@@ -86,7 +111,7 @@ def build_federation(
     data: DataConfig, wm: WatermarkConfig, K: int, seed: int, model, tokenizer, say: Progress
 ) -> Federation:
     """Load and split data, then give each watermarked client its owner's documents."""
-    records, detect = _clean_data(data, wm)
+    records, detect = _clean_data(data, wm, K)
     if data.partition == "iid":
         shards = partition_iid(records, K, seed=data.seed)
     else:

@@ -60,7 +60,9 @@ def _config(run_config: Mapping[str, Any], folder: RunFolder, command: str) -> A
     return config_of(command, json.dumps(folder.saved_config()))
 
 
-def _check(cfg: Any, command: str) -> None:
+def check_settings(cfg: Any, command: str) -> None:
+    """Refuse the settings a Flower federation cannot run (``fedattr flower local`` checks them
+    before it starts any process, the ServerApp again)."""
     sa = cfg.secagg
     if sa.backend != "pairwise-mask":
         raise UserError(
@@ -90,7 +92,7 @@ def serve(grid: Grid, run_config: Mapping[str, Any], say: Callable[[str], None] 
     if command not in COMMANDS:
         raise UserError(f"command: unknown {command!r}; allowed: {', '.join(COMMANDS)}")
     cfg = _config(run_config, folder, command)
-    _check(cfg, command)
+    check_settings(cfg, command)
     clients = cfg.fl.K if command == "run" else cfg.synthetic.K
     link = FlowerLink(grid, float(run_config.get("timeout", 600)), say)
     sizes = link.register(command, config_json(cfg), clients,

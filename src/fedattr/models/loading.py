@@ -55,20 +55,61 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def model_source(
+    cfg: ModelConfig, progress: Callable[[str], None] | None = None
+) -> tuple[str, dict]:
+    """Where ``cfg``'s model and tokenizer are read from: a folder or hub id and the
+    ``from_pretrained`` keywords (the tiny preset is built first if it is not cached)."""
+    if cfg.preset == "tiny":
+        return str(ensure_tiny(cfg.tiny, cfg.cache_dir or None, progress)), {}
+    if cfg.preset == "smollm2-135m":
+        gguf = smollm2_gguf()
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    return check_model_source(cfg.name_or_path), {}
+
+
+def check_model_source(name: str, option: str = "model.name_or_path") -> str:
+    """``name`` when it is a local model folder or could be a Hugging Face id; else one line
+    naming ``option`` (a missing path is not left to the hub's "Repo id must be ..." error)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(f"{option}: {name!r} is a file; a model folder (config.json "
+                                 "and weights) or a Hugging Face id is expected")  # fmt: skip
+        return str(path)
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ModelLoadError(f"{option}: {name!r} does not exist (no such folder) and is not a "
+                             "Hugging Face id (name or owner/name)") from None  # fmt: skip
+    return name
+
+
+def load_tokenizer(cfg: ModelConfig, progress: Callable[[str], None] | None = None):
+    """``cfg``'s tokenizer alone, as :func:`load_model` returns it (pad token set): all a
+    text-level detector needs."""
+    from transformers import AutoTokenizer
+
+    source, kwargs = model_source(cfg, progress)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    except Exception as exc:  # as load_model: one clear line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"model: could not load the tokenizer of {source!r}: {first}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_model(cfg: ModelConfig, progress: Callable[[str], None] | None = None):
     """``(model, tokenizer)`` on the configured device, in eval mode, with a pad token set."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    kwargs: dict = {}
-    if cfg.preset == "tiny":
-        source = str(ensure_tiny(cfg.tiny, cfg.cache_dir or None, progress))
-    elif cfg.preset == "smollm2-135m":
-        gguf = smollm2_gguf()
-        source, kwargs = str(gguf.parent), {"gguf_file": gguf.name}
-    else:
-        source = cfg.name_or_path
+    source, kwargs = model_source(cfg, progress)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)

@@ -23,17 +23,16 @@ from typing import Any
 
 from ..data.loaders import DataError, json_lines, record_from_mapping
 from ..data.records import Record
-from ..errors import UserError
+from ..errors import UserError, require_file
 from ..watermarks.keys import OwnerKey
 
 Say = Callable[[str], None]
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """The rows of a ``.jsonl`` or ``.json`` (list) corpus, each an Alpaca or chat object."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"--in: {str(p)!r} does not exist")
+def read_rows(path: str | Path, option: str = "--in") -> list[dict]:
+    """The rows of a ``.jsonl`` or ``.json`` (list) corpus, each an Alpaca or chat object
+    (``option``: how the user gave the file, for messages)."""
+    p = require_file(path, option, "a .jsonl or .json file", error=DataError)
     text = p.read_text(encoding="utf-8")
     try:
         if p.suffix == ".jsonl":
@@ -42,15 +41,33 @@ def read_rows(path: str | Path) -> list[dict]:
             rows = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DataError(
-            f"--in: {str(p)!r} is not valid JSON ({exc.msg}, line {exc.lineno})"
+            f"{option}: {str(p)!r} is not valid JSON ({exc.msg}, line {exc.lineno})"
         ) from None
     if not isinstance(rows, list) or not rows:
-        raise DataError(f"--in: {str(p)!r} holds no rows (a .jsonl file or a JSON list)")
+        raise DataError(f"{option}: {str(p)!r} holds no rows (a .jsonl file or a JSON list)")
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise DataError(f"--in: row {i + 1} is a {type(row).__name__}, not an object")
-        record_from_mapping(row, f"--in row {i + 1}")  # refuses unusable rows up front
+            raise DataError(f"{option}: row {i + 1} is a {type(row).__name__}, not an object")
+        record_from_mapping(row, f"{option} row {i + 1}")  # refuses unusable rows up front
     return rows
+
+
+def check_job(
+    out: str | Path, *, chunk: int = 64, max_new_tokens: int = 256, min_tokens: int = 8
+) -> Path:
+    """A watermarking job's output file and numbers, checked before a model is loaded or a
+    file written: ``out`` new in an existing folder, ``chunk`` and ``max_new_tokens`` >= 1,
+    ``min_tokens`` >= 0."""
+    for name, value, least in (("--chunk", chunk, 1), ("--max-new-tokens", max_new_tokens, 1),
+                               ("--min-tokens", min_tokens, 0)):  # fmt: skip
+        if value < least:
+            raise UserError(f"{name}: must be >= {least}, got {value}")
+    out = Path(out)
+    if out.exists():
+        raise UserError(f"--out: {str(out)!r} exists; choose a new file")
+    if not out.parent.is_dir():
+        raise UserError(f"--out: folder {str(out.parent)!r} does not exist")
+    return out
 
 
 def with_response(row: Mapping[str, Any], text: str) -> dict:
@@ -83,10 +100,12 @@ def write_rows(path: Path, rows: Sequence[Mapping], jsonl: bool) -> None:
 def _progress(path: Path, header: dict) -> tuple[dict[int, dict | None], int]:
     """Finished rows so far (index -> new row, or ``None`` when dropped) and the next chunk."""
     done: dict[int, dict | None] = {}
-    if not path.is_file():
+    lines = json_lines(path.read_text(encoding="utf-8")) if path.is_file() else []
+    if not any(line.strip() for line in lines[1:]):
+        # New, or no chunk finished (a job that stopped before its first): nothing to keep,
+        # so a job with other settings may take the file.
         path.write_text(json.dumps({"header": header}) + "\n")
         return done, 0
-    lines = json_lines(path.read_text(encoding="utf-8"))
     try:
         saved = json.loads(lines[0])["header"]
     except (IndexError, KeyError, json.JSONDecodeError):
@@ -132,11 +151,7 @@ def watermark_kgw(
 
     say = say or (lambda _m: None)
     key.require("kgw")
-    out = Path(out)
-    if out.exists():
-        raise UserError(f"--out: {str(out)!r} exists; choose a new file")
-    if not out.parent.is_dir():
-        raise UserError(f"--out: folder {str(out.parent)!r} does not exist")
+    out = check_job(out, chunk=chunk, max_new_tokens=max_new_tokens, min_tokens=min_tokens)
     scheme = key.kgw_scheme(len(tokenizer))
     records = [record_from_mapping(r) for r in rows]
     header = {"key": key.fingerprint, "model": model_name, "rows": len(rows), "chunk": chunk,

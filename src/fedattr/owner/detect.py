@@ -3,11 +3,11 @@
 Two detectors, both needing only the key, the model and some text in the model's domain:
 
 - **reading** (fedattr's teacher-forced test): the green mass the model's next-token
-  distributions moved from a *reference* model's on the same texts, under the owner's key and
-  under ``null_keys`` fresh random keys; the p-value is the t prediction of the owner's
-  statistic among the random keys' (``p``) and its exact rank (``p_rank``, resolution
-  ``1/(n+1)``), as in the calibrated verdicts of a run. The reference is the model without its
-  LoRA adapter (``--lora``) or another model (``--reference``, same tokenizer).
+  distributions moved from a *reference* model's on the same texts, read with the owner's key;
+  ``p`` is the exact tail of that statistic under a random key (the method in ``tail``; see
+  :mod:`fedattr.watermarks.tail`), as in the calibrated verdicts of a run, and ``p_rank`` its
+  rank among ``null_keys`` random keys (a check, resolution ``1/(n+1)``). The reference is the
+  model without its LoRA adapter (``--lora``) or another model (``--reference``, same tokenizer).
 - **greedy** (the paper's radioactivity test): greedy continuations of the texts' prompts, the
   share of green tokens (each (previous, next) pair once) against ``gamma``: ``z``, ``p``. It
   needs no reference, and has little power on small models (README, *Finding 4*).
@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy.stats import t as student_t
 
 from ..data.records import Record
 from ..errors import UserError
@@ -58,17 +57,6 @@ def _select(pair: _Pair, which: str) -> None:
     pair.current = which
 
 
-def key_randomisation_p(owner: float, null: np.ndarray) -> tuple[float, float]:
-    """(t-prediction p, exact rank p) of ``owner`` among the ``null`` statistics."""
-    n = len(null)
-    rank = (1 + int(np.sum(null >= owner))) / (n + 1)
-    sd = float(np.std(null, ddof=1))
-    if sd <= 0:
-        return rank, rank
-    t = (owner - float(np.mean(null))) / (sd * math.sqrt(1 + 1 / n))
-    return float(student_t.sf(t, n - 1)), rank
-
-
 def detect_kgw(
     key: OwnerKey,
     model: Any,
@@ -94,6 +82,8 @@ def detect_kgw(
         raise UserError(f"--detector: allowed reading, greedy (or both), got {list(detectors)}")
     if null_keys < 20:
         raise UserError(f"--null-keys: must be >= 20, got {null_keys}")
+    if not records:  # a test of no text would read as p = 0.5
+        raise UserError("--count/--texts: no texts to read; give at least one")
     scheme = key.kgw_scheme(len(tokenizer))
     out: dict[str, Any] = {"key": key.fingerprint, "texts": len(records)}
     if "reading" in detectors:
@@ -107,12 +97,15 @@ def detect_kgw(
         scorer = KGWReadingScorer(pair, examples, {"owner": scheme}, _select,
                                   pad_id=tokenizer.pad_token_id)  # fmt: skip
         ref, cand = scorer.observe("reference"), scorer.observe("candidate")
-        stat, null = scorer.key_statistics(ref, cand, null_keys, seed)["owner"]
-        p, p_rank = key_randomisation_p(stat, null)
+        law = scorer.key_laws()["probes"]
+        W = law.centre(scorer.change(ref, cand)["probes"])
+        stat = scorer.owner_values("probes", W)["owner"]
+        tail = law.tail(W, stat)
+        null = law.random_values([W], null_keys, seed)[0]
         out["reading"] = {
-            "statistic": stat, "null_mean": float(np.mean(null)),
-            "null_sd": float(np.std(null, ddof=1)), "null_keys": null_keys,
-            "z": scorer.contrast(ref, cand)["owner"], "p": p, "p_rank": p_rank,
+            "statistic": stat, "null_sd": math.sqrt(law.variance(W)), "null_keys": null_keys,
+            "z": scorer.contrast(ref, cand)["owner"], "p": tail.p, "log10_p": tail.log10_p,
+            "tail": tail.method, "p_rank": (1 + int(np.sum(null >= stat))) / (null_keys + 1),
             "effective_contexts": scorer.effective_contexts(ref, cand),
         }  # fmt: skip
     if "greedy" in detectors:

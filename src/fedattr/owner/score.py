@@ -1,11 +1,14 @@
-"""The owner's scoring step: key statistics of a run's released round folders.
+"""The owner's scoring step: each client's standardised change and its value under the key.
 
 For every round folder (see :mod:`fedattr.attribution.export`) the owner rebuilds the run's
 model from ``rounds/run.json``, reads the reference ``w^{t-1}``, each estimate applied to it and
-the round's SA mean with its detector, and computes the raw statistic under its own key and
-under the round's ``null_keys`` random keys (the seed in the manifest: every owner draws the
-same random keys). It writes ``scores-<fingerprint>.json`` beside the round's files; nothing
-in it reveals the key (a statistic per estimate and the random keys' statistics).
+(where the round's cross-talk is not undone) the round's SA mean with its detector, and turns
+them into each target's standardised change exactly as a server that scores in process does
+(:func:`~fedattr.attribution.calibrated.standardise_round`). It writes
+``scores-<fingerprint>.json`` (each target's value under the owner's key, and the key law) and
+``changes-<fingerprint>.safetensors`` (the standardised changes, key-free: ``fedattr attribute``
+sums them over rounds for the exact tail) beside the round's files. Neither reveals the key
+beyond the one number per estimate the verdict needs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from ..watermarks.keys import OwnerKey
 
 Say = Callable[[str], None]
 
-SCORES_FORMAT = "fedattr-scores/1"
+SCORES_FORMAT = "fedattr-scores/2"
 
 
 class RoundFolderError(UserError):
@@ -104,9 +107,9 @@ class OwnerScorer:
     def score(self, folder: str | Path, manifest: dict | None = None) -> Path:
         """Score one round folder (``manifest``: its :func:`read_manifest`, when the caller
         has already checked it); returns the scores file written there."""
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file, save_file
 
-        from ..attribution.calibrated import CalibratedNull, all_key_statistics, null_identity
+        from ..attribution.calibrated import cross_talk, standardise_round
         from ..attribution.export import design_from_dict
         from ..attribution.scoring import observe_all
 
@@ -119,39 +122,46 @@ class OwnerScorer:
             prefix = f"{target}/"
             updates.append({k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
         scorer = self.scorer
-        # The SA mean's statistics serve only a round whose cross-talk is not undone (the
-        # combination decides from the same manifest and run configuration): otherwise its
-        # model is not read, as the server's in-process scoring does not read it.
+        # The SA mean's change serves only a round whose cross-talk is not undone (decided from
+        # the same manifest and run configuration): otherwise its model is not read, as the
+        # server's in-process scoring does not read it.
         designs = [design_from_dict(d) for d in manifest["designs"]]
-        combined = CalibratedNull(decorrelate=self.config.attribution.decorrelate)
-        needs_center = not combined.decorrelates(manifest["participants"], manifest["targets"],
-                                             designs)  # fmt: skip
+        decorrelate = self.config.attribution.decorrelate
+        needs_center = cross_talk(manifest["participants"], manifest["targets"], designs,
+                                  decorrelate) is None  # fmt: skip
         # The same reads, in the same order, as the server's in-process scoring.
         ref_obs = scorer.observe(reference)
         observed = list(observe_all(scorer, (self.apply(reference, u) for u in updates)))
         if needs_center:
             center = load_file(str(folder / "center.safetensors"))
             observed.append(scorer.observe(self.apply(reference, center)))
-        stats = all_key_statistics(scorer, ref_obs, observed, int(manifest["null_keys"]),
-                                   int(manifest["seed"]))  # fmt: skip
-        middle = stats.pop() if needs_center else None
-
-        def plain(s: dict) -> list:
-            value, null = s[self.name]
-            return [float(value), [float(x) for x in null]]
-
+        changes = [scorer.change(ref_obs, o) for o in observed]
+        middle = changes.pop() if needs_center else None
+        laws = scorer.key_laws()
+        standard, _ = standardise_round(manifest["participants"], manifest["targets"], designs,
+                                        changes, middle, laws, decorrelate,
+                                        self.config.attribution.token_centring)  # fmt: skip
+        values, tensors = {}, {}
+        for target, parts in zip(manifest["targets"], standard, strict=True):
+            values[str(target)] = scorer.owner_values("probes", parts["probes"])[self.name]
+            tensors[str(target)] = parts["probes"].contiguous()
         out = {
             "format": SCORES_FORMAT, "round": manifest["round"], "owner": self.name,
             "fingerprint": self.key.fingerprint, "texts": scorer.positions,
-            "targets": {str(t): plain(s) for t, s in zip(manifest["targets"], stats, strict=True)},
-            "center": plain(middle) if middle is not None else None,
-            "null_keys": null_identity(scorer),
+            "targets": values, "law": laws["probes"].describe(), "decorrelated": not needs_center,
         }  # fmt: skip
+        _write_atomic(folder / f"changes-{self.key.fingerprint}.safetensors",
+                      lambda tmp: save_file(tensors, str(tmp)))  # fmt: skip
         path = folder / f"scores-{self.key.fingerprint}.json"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(out))
-        os.replace(tmp, path)
+        _write_atomic(path, lambda tmp: tmp.write_text(json.dumps(out)))
         return path
+
+
+def _write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
+    """Write then rename: a kill leaves the previous file (or none), never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
 
 
 def score_rounds(key: OwnerKey, folders: Sequence[str | Path], texts: Sequence | None = None,

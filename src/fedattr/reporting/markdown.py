@@ -37,20 +37,46 @@ def p_value(p: float | None, log10_p: float | None = None) -> str:
 
 
 def attribution_table(report: AttributionReport) -> str:
-    """One row per client, one column per round, Z, p, flag; then γ, TPR and FPR."""
+    """One row per client, one column per round, Z, p, flag; then the rule, TPR and FPR.
+
+    Under the calibrated statistic each row also names the owner whose key gives the client's
+    smallest p (the accusing owner), how that p was obtained, and the random keys' rank check.
+    """
     rounds = sorted({t for c in report.clients for t in c.z})
+    calibrated = report.statistic == "calibrated"
     rows = []
     for c in report.clients:
         truth = "?" if c.watermarked is None else ("yes" if c.watermarked else "no")
         zs = [f"{c.z[t]:+.2f}" if t in c.z else "–" for t in rounds]
         flag = "**yes**" if c.flagged else "no"
-        rows.append([c.id, truth, *zs, f"{c.Z:+.2f}", p_value(c.p, c.log10_p), flag])
+        row = [c.id, truth, *zs, f"{c.Z:+.2f}", p_value(c.p, c.log10_p), flag]
+        if calibrated:
+            tail = (c.tail or "–") + ("" if c.calibrated else " (uncalibrated)")
+            rank = "–" if c.p_rank is None else f"{c.p_rank:.3g}"
+            row += [f"`{c.statistic}`", tail, rank]
+        rows.append(row)
     head = ["client", "watermarked", *[f"z (t={t})" for t in rounds], "Z", "p", "flagged"]
-    if report.statistic == "calibrated":
+    if calibrated:
+        head += ["owner", "tail", "rank p"]
+        K = max(1, len(report.clients))
         rule = (
-            f"calibrated statistic, {report.null_keys} random keys: named when p < α/K, "
-            f"family-wise α = {report.alpha} (Z > {report.gamma:.2f})"
+            "calibrated statistic: each client's summed change read with the owner's key, p from "
+            "its exact tail under a random key (Bonferroni over owners); named when p < α/K = "
+            f"{p_value((report.alpha or 0) / K)}, family-wise α = {report.alpha} over clients × "
+            "owners. z: each round's statistic (unit variance under the null); Z: the sum's, "
+            "for reading only (the verdict reads p)"
         )
+        if report.null_keys:
+            floor = max(1, len(report.components)) / (report.null_keys + 1)
+            rule += f". Rank p: the same change read with {report.null_keys} random keys, a check"
+            if floor >= (report.alpha or 0) / K:
+                rule += f" whose resolution ({floor:.3g}) cannot reach α/K"
+        if report.uncalibrated:
+            rule += (
+                f". Not calibrated: {', '.join(report.uncalibrated)} (a key the reference model "
+                "has learned is not exchangeable with a random one): reported, never named "
+                "unless attribution.name_uncalibrated = true"
+            )
     else:
         rule = f"paper statistic: γ = {report.gamma:g}"
     rates = f"TPR = {percent(report.tpr)}; FPR = {percent(report.fpr)}"

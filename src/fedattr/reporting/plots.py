@@ -205,6 +205,10 @@ def build_attribution_figure(report: AttributionReport) -> Figure:
             ax_s.plot(xs[-1], cumulative[-1], marker="*", ms=12, color="black", zorder=3)
     ax_z.axhline(0, color="black", lw=0.6)
     ax_z.set(title="per-round differential score $z_i^t$", xlabel="round t", ylabel="z")
+    if report.statistic == "calibrated":
+        _verdict_panel(ax_s, report)
+        _label_column(ax_z, labels_z, *_round_axis(ax_z, all_rounds, fig))
+        return fig
     ax_s.axhline(report.gamma, color="black", ls="--", lw=1)
     ax_s.set(title="cumulative Stouffer $Z_i$ (★ flagged)", xlabel="rounds so far", ylabel="Z")
     handles = [
@@ -238,8 +242,53 @@ def build_attribution_figure(report: AttributionReport) -> Figure:
     return fig
 
 
+def _round_axis(ax, all_rounds: list[int], fig) -> tuple[float, float]:
+    """Integer round ticks on ``ax``; returns the x range the label column needs."""
+    from matplotlib.ticker import FixedLocator, StrMethodFormatter
+
+    if not all_rounds:
+        return 0.0, 0.0
+    x_last, x_min = all_rounds[-1], all_rounds[0] - (0.3 if len(all_rounds) > 1 else 1.0)
+    ax.xaxis.set_major_locator(FixedLocator(all_rounds))
+    ax.xaxis.set_major_formatter(StrMethodFormatter("{x:.0f}"))
+    ax.set_xlim(x_min, x_last + 0.3)
+    ax.set_ylim(ax.get_ylim())
+    fig.draw_without_rendering()
+    return x_min, x_last
+
+
+def _verdict_panel(ax, report: AttributionReport) -> None:
+    """The calibrated verdict as it is decided: each client's ``-log10 p`` (Bonferroni over
+    owners) against the cut ``-log10(alpha / K)``; named clients (★) are above it."""
+    K = max(1, len(report.clients))
+    cut = -math.log10((report.alpha or 0.01) / K)
+    ids = [c.id for c in report.clients]
+    heights = [min(-c.log10_p, 50.0) for c in report.clients]
+    colours = [_COLOURS[c.watermarked] for c in report.clients]
+    bars = ax.bar(range(K), heights, color=colours, alpha=0.85)
+    for bar, c in zip(bars, report.clients, strict=True):
+        if not c.calibrated:
+            bar.set_hatch("//")
+        if c.flagged:
+            ax.plot(bar.get_x() + bar.get_width() / 2, bar.get_height(), marker="*", ms=12,
+                    color="black", zorder=3)  # fmt: skip
+    ax.axhline(cut, color="black", ls="--", lw=1)
+    ax.set_xticks(range(K), [str(i) for i in ids])
+    ax.set(title="verdict: $-\\log_{10} p$ of each client (★ named)", xlabel="client",
+           ylabel="$-\\log_{10} p$ (exact tail, Bonferroni over owners)")  # fmt: skip
+    import matplotlib.pyplot as plt
+
+    handles = [plt.Line2D([], [], color=_COLOURS[k], lw=6, label=lab)
+               for k, lab in ((True, "watermarked"), (False, "clean"))]  # fmt: skip
+    handles.append(plt.Line2D([], [], color="black", ls="--",
+                              label=f"α/K = {10 ** -cut:.1g} (family-wise α = {report.alpha})"))
+    ax.legend(handles=handles, loc="upper left", fontsize=8)
+
+
 def plot_attribution(report: AttributionReport, path: str | Path) -> Path:
-    """Two panels: per-round differential scores, and cumulative Stouffer Z with the γ line.
+    """Two panels: per-round differential scores, and the verdict: under the paper statistic
+    cumulative Stouffer Z with the γ line; under the calibrated statistic each client's
+    ``-log10 p`` (the exact tail the verdict reads) with the ``alpha / K`` line.
 
     Watermarked clients are drawn in red, clean ones in blue, unknown in grey; flagged clients
     get a ★ at their final Z. Each line is labelled with its client id at its last point (labels

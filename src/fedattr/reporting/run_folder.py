@@ -8,13 +8,14 @@ same one-line errors, and never overwrite a run's files before refusing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pickle
 import shutil
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,8 @@ class RunFolder:
         self.path = Path(path)
         self.option = option
         """How the user named the folder, for error messages."""
+        self._made: list[Path] | None = None
+        """Set by a claim of a new folder: the folders it created, innermost first."""
 
     def __str__(self) -> str:
         return str(self.path)
@@ -146,9 +149,46 @@ class RunFolder:
                     f"'fedattr run --resume {self.path}' or choose another folder"
                 )
             return "finished" if status == "finished" else "resume"
+        made = [p for p in (self.path, *self.path.parents) if not p.exists()]
         self.path.mkdir(parents=True, exist_ok=True)
+        self._made = made
         self.file(CONFIG).write_text(json.dumps(config, indent=2))
         return "new"
+
+    def release(self) -> bool:
+        """Undo this object's claim of a new folder when its run failed before finishing a
+        round (no checkpoint, no results): what the claim and the failed start wrote is
+        removed, and so are the parent folders the claim created (e.g. ``runs/``) if they are
+        empty, so the corrected command can take the same folder. A folder holding a round's
+        work, or one this object did not claim new, is kept. True when it removed the run."""
+        if self._made is None or self.checkpoint_path.exists() or self.file(RESULTS).exists():
+            return False
+        made, self._made = self._made, None
+        if self.path in made:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:  # a folder that was empty before the claim: empty again
+            for entry in self.path.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        for parent in made:
+            if parent != self.path:
+                try:
+                    parent.rmdir()  # only when empty: another run may have written there since
+                except OSError:
+                    break
+        return True
+
+    @contextlib.contextmanager
+    def released_on_failure(self) -> Iterator[RunFolder]:
+        """Around a claimed run's work: when it fails (bad input, a bug, an interrupt) before
+        its first round is saved, :meth:`release` the folder, then let the exception go on."""
+        try:
+            yield self
+        except BaseException:
+            self.release()
+            raise
 
     def resumable_config(self) -> dict:
         """The configuration of the unfinished run to continue (``--resume``)."""

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError
+from ..errors import UserError, require_file
 
 FORMAT = "fedattr-owner-key/1"
 KINDS = ("kgw", "fk")
@@ -110,10 +110,12 @@ class OwnerKey:
             domain
         ]
 
-    def require(self, kind: str) -> None:
-        """Refuse a key made for another kind of watermark."""
+    def require(self, kind: str, option: str = "--key") -> None:
+        """Refuse a key made for another kind of watermark (``option``: how it was given)."""
         if self.kind != kind:
-            raise KeyFileError(f"--key: this is a {self.kind} key; this step needs a {kind} key")
+            raise KeyFileError(
+                f"{option}: this is a {self.kind} key; this step needs a {kind} key"
+            )
 
     def to_json(self) -> str:
         """The key file's content."""
@@ -153,29 +155,48 @@ def save_key(key: OwnerKey, path: str | Path) -> Path:
     return p
 
 
-def load_key(path: str | Path, kind: str | None = None) -> OwnerKey:
+_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "kind": ((str,), "a string"), "secret": ((str,), "a string"),
+    "gamma": ((int, float), "a number"), "delta": ((int, float), "a number"),
+    "context": ((int,), "an integer"), "scheme": ((str,), "a string"),
+    "hash_key": ((int, type(None)), "an integer or null"), "fk": ((dict,), "an object"),
+}  # fmt: skip
+"""The fields of a key file (besides ``format``): the JSON types each may hold, in words."""
+
+
+def load_key(path: str | Path, kind: str | None = None, option: str = "--key") -> OwnerKey:
     """Read a key file; refuse a missing, damaged, foreign or world-readable one, or one made
-    for another kind than ``kind``."""
-    p = Path(path)
-    if not p.is_file():
-        raise KeyFileError(f"--key: {str(p)!r} does not exist (make one with fedattr owner keygen)")
+    for another kind than ``kind``. ``option``: how the user named the file (``--key``,
+    ``watermark.key_files``), for messages."""
+    p = require_file(path, option, "a key file", "make one with fedattr owner keygen",
+                     error=KeyFileError)  # fmt: skip
+    where = f"{option}: {str(p)!r}"
     mode = stat.S_IMODE(p.stat().st_mode)
     if mode & 0o077:
         raise KeyFileError(
-            f"--key: {str(p)!r} can be read by other users (mode {mode:04o}); a watermark key "
+            f"{where} can be read by other users (mode {mode:04o}); a watermark key "
             f"is a secret: chmod 600 {p}"
         )
     try:
         data = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise KeyFileError(f"--key: {str(p)!r} is not a fedattr key file ({exc})") from None
+        raise KeyFileError(f"{where} is not a fedattr key file ({exc})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise KeyFileError(f"--key: {str(p)!r} is not a fedattr key file (format {FORMAT})")
+        raise KeyFileError(f"{where} is not a fedattr key file (format {FORMAT})")
     fields = {k: v for k, v in data.items() if k != "format"}
+    missing = [k for k in ("kind", "secret") if k not in fields]
+    unknown = sorted(set(fields) - set(_FIELDS))
+    if missing or unknown:
+        what = f"missing field {missing[0]!r}" if missing else f"unknown field {unknown[0]!r}"
+        raise KeyFileError(f"{where} is damaged: {what} (fields: {', '.join(_FIELDS)})")
+    for k, v in fields.items():
+        types, wanted = _FIELDS[k]
+        if not isinstance(v, types) or isinstance(v, bool):
+            raise KeyFileError(f"{where} is damaged: field {k!r} must be {wanted}, got {v!r}")
     try:
         key = OwnerKey(**fields)
-    except TypeError as exc:
-        raise KeyFileError(f"--key: {str(p)!r} has unknown or missing fields ({exc})") from None
+    except KeyFileError as exc:
+        raise KeyFileError(f"{where} is damaged: {exc}") from None
     if kind is not None:
-        key.require(kind)
+        key.require(kind, option)
     return key

@@ -32,7 +32,13 @@ from scipy.stats import norm
 @functools.cache
 def _mask_pool(workers: int, pid: int) -> ThreadPoolExecutor:
     """One pool per thread count and process, kept (threads idle between steps). Keyed by
-    the process id: a forked child inherits the pool object but not its threads."""
+    the process id: a forked child inherits the pool object but not its threads.
+
+    Before the pool's threads first run torch, this thread sets torch's thread count (to what
+    it is): in a forked child that renews torch's own thread pool once, here. Torch renews it
+    in whichever thread asks first, and new threads asking together can find it gone (a
+    crash: ``pool INTERNAL ASSERT FAILED ... Invalid thread pool!``)."""
+    torch.set_num_threads(torch.get_num_threads())
     return ThreadPoolExecutor(workers, thread_name_prefix="fedattr-green")
 
 
@@ -208,19 +214,19 @@ class KGWDetector:
 
     def score(self, sequences: Iterable[Sequence[int]]) -> KGWScore:
         """Score token sequences; each sequence's first token only serves as context."""
-        green = scored = 0
-        seen: set[tuple[int, int]] = set()
-        sequences = [list(seq) for seq in sequences]
-        self.scheme.warm(p for seq in sequences for p in seq[:-1])
-        for seq in sequences:
-            for prev, tok in itertools.pairwise(seq):
-                if self.dedupe:
-                    if (prev, tok) in seen:
-                        continue
-                    seen.add((prev, tok))
-                scored += 1
-                green += self.scheme.is_green(prev, tok)
-        return self.test(green, scored)
+        return self.score_pairs(self.scored_pairs(sequences))
+
+    def scored_pairs(self, sequences: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
+        """The ``(previous token, token)`` pairs :meth:`score` tests, in text order: with
+        ``dedupe`` each distinct pair once (over all ``sequences`` together)."""
+        pairs = [pair for seq in sequences for pair in itertools.pairwise(list(seq))]
+        return list(dict.fromkeys(pairs)) if self.dedupe else pairs
+
+    def score_pairs(self, pairs: Sequence[tuple[int, int]]) -> KGWScore:
+        """The z-test of these pairs' colours (no deduplication here)."""
+        self.scheme.warm(prev for prev, _ in pairs)
+        green = sum(self.scheme.is_green(prev, tok) for prev, tok in pairs)
+        return self.test(green, len(pairs))
 
     def test(self, green: int, scored: int) -> KGWScore:
         """The z-test for ``green`` of ``scored`` tokens (z = 0, p = 0.5 when nothing scored)."""

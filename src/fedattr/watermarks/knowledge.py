@@ -37,6 +37,7 @@ from ..models.lora import folded_adapters
 from ..models.reading import SequenceReader
 from ..models.text import format_prompt, generate
 from .fictitious import FictitiousEntity, qa_probes
+from .tail import RowSubsets
 
 _P_FLOOR = 1e-300
 
@@ -240,6 +241,25 @@ class FKLikelihoodScorer:
         for a single comparison (e.g. the global-model test) where no empirical null exists."""
         ps = self.attribute_pvalues(reference, candidate)
         return {o: fisher_z(ps[i].tolist()) for i, o in enumerate(self.owners)}
+
+    null_valid = False
+    """The true value is exchangeable with its decoys only while no model has seen it: from
+    the second round the reference has learned the owner's facts from the watermarked clients
+    (the calibrated statistic reports FK's p-values as uncalibrated)."""
+
+    def change(self, reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per owner: every candidate value's log-probability change, mean over questions
+        (``[attributes, candidates]``, the true value first)."""
+        delta = (candidate - reference).mean(dim=2)
+        return {o: delta[i] for i, o in enumerate(self.owners)}
+
+    def key_laws(self) -> dict[str, RowSubsets]:
+        """A random key: each attribute's true value a uniform pick among its candidates."""
+        return {o: RowSubsets(1, self.candidates) for o in self.owners}
+
+    def owner_values(self, part: str, W: torch.Tensor) -> dict[str, float]:
+        """The owner's true values' summed (centred) change."""
+        return {part: float(W.double().reshape(-1, self.candidates)[:, 0].sum())}
 
     def key_statistics(
         self, reference: torch.Tensor, candidate: torch.Tensor, n: int, seed: int

@@ -21,6 +21,7 @@ from ..models.reading import length_batches, logits_at, output_layer
 from ..models.text import Example, generate, padded
 from .kgw import KGWDetector, KGWScheme
 from .nullkeys import RandomGreenLists
+from .tail import RowSubsets
 
 
 class KGWModelScorer:
@@ -157,7 +158,7 @@ class KGWReadingScorer:
             name: s.green_masks(contexts.tolist())
             for name, s in schemes.items()
         }
-        m = next(iter(schemes.values())).green_size
+        m = self._green_size = next(iter(schemes.values())).green_size
         self._null_var = m * (self.vocab - m) / (self.vocab * (self.vocab - 1))
         self._green_share = m / self.vocab
         self._green_device = torch.device("cpu")
@@ -237,6 +238,22 @@ class KGWReadingScorer:
         drift = self._green_share * float(change.sum())
         green = self._green_on(change.device)
         return {name: (float(change[g].sum()) - drift) / scale for name, g in green.items()}
+
+    def change(self, reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``D = A(candidate) - A(reference)`` (``[contexts, vocab]``): every owner's green mass
+        moved is ``<D, green>``, linear in the key."""
+        return {"probes": (candidate - reference).float()}
+
+    def key_laws(self) -> dict[str, RowSubsets]:
+        """A random key: every context's green list a uniform ``m``-subset of the vocabulary."""
+        return {"probes": RowSubsets(self._green_size, self.vocab)}
+
+    def owner_values(self, part: str, W: torch.Tensor) -> dict[str, float]:
+        """``<W, green>`` under every owner's key (``W`` row-centred: exactly the green mass
+        above its null share)."""
+        green = self._green_on(W.device)
+        W = W.reshape(len(self.contexts), self.vocab)
+        return {name: float(W[g].double().sum()) for name, g in green.items()}
 
     def key_statistics(
         self, reference: torch.Tensor, candidate: torch.Tensor, n: int, seed: int

@@ -61,7 +61,7 @@ class KGW(WatermarkKind):
 
     def owners(self, wm, vocab_size, n_clients, clean_texts):
         if wm.key_files:
-            keys = [load_key(path, "kgw") for path in wm.key_files]
+            keys = [load_key(path, "kgw", "watermark.key_files") for path in wm.key_files]
             return {f"kgw:{k.fingerprint}": k.kgw_scheme(vocab_size) for k in keys}
 
         def key(owner: int) -> int:
@@ -141,7 +141,7 @@ def owner_documents(path: str, n: int, seed: int) -> list[Record]:
     all of them when it holds fewer."""
     from ..data.loaders import load_records
 
-    docs = load_records(path)
+    docs = load_records(path, option="watermark.documents")
     order = np.random.default_rng([seed, 0xD0C5]).permutation(len(docs))[:n]
     return [docs[i] for i in sorted(order)]
 

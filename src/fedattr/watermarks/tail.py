@@ -1,0 +1,334 @@
+"""Exact tails of a detection statistic that is linear in the key.
+
+An owner's statistic over a change ``W`` (rows: probe contexts or questions, columns: the
+vocabulary or the candidate values) is ``T = <W, G>``, with ``G`` the owner's key: row ``x``
+of ``G`` marks the ``m`` green tokens of context ``x`` (KGW: a uniform ``m``-subset of the
+``V`` tokens, ``m = gamma V``) or the true value among the candidates (Fictitious Knowledge:
+``m = 1``). Under the null that ``W`` does not depend on the owner's key, ``G`` is a random
+key: its rows are independent uniform ``m``-subsets. Each row of ``W`` is centred first (a
+function of ``W`` alone), which changes ``T`` by a constant for fixed-size rows and makes its
+null mean exactly 0. The tail ``P(T >= t)`` then follows from ``W`` alone, with no random key
+drawn:
+
+- **exact** where every row picks one column and the rows' combinations are few (FK): all
+  ``prod(cols)`` sums, enumerated half against half (meet in the middle);
+- **saddlepoint** (Barndorff-Nielsen's ``r*``, equivalent to Lugannani-Rice) on the cumulant
+  generating function of independent cells, each green with probability ``gamma``, where the
+  change is spread over at least :data:`MIN_EFFECTIVE_CELLS` effective cells (10). Fixed-size rows
+  differ from independent cells by ``O(1 / V)`` in every cumulant of a centred row (the
+  variance by the factor ``V / (V - 1)``); the tail check (``experiment calibration``) measures
+  the agreement by tilted Monte Carlo;
+- **chernoff** elsewhere: ``P(T >= t) <= exp(min_s K(s) - s t)`` with ``K`` the CGF of ``m``
+  draws *with* replacement per row, which bounds the fixed-size row's moment generating
+  function from above (Hoeffding, 1963, Theorem 4): valid, conservative.
+
+Every tail is returned as ``log10 p`` (finite far below 1e-300) with the method that gave it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from scipy.special import log_ndtr, logsumexp
+from scipy.stats import beta as beta_dist
+
+LN10 = math.log(10.0)
+MIN_EFFECTIVE_CELLS = 10.0
+"""Below this many effective cells (``(sum w^2)^2 / sum w^4``) the tail is a Chernoff bound.
+Measured (``fedattr experiment tail-check``): the saddlepoint agrees with tilted Monte Carlo
+within ±13% from p = 1e-3 to 1e-6 on the embedded default's changes (13 to 79 effective cells),
+and within ±7% down to 5 effective cells on a few large cells over a dense background."""
+EXACT_COMBINATIONS = 1 << 22
+"""One-column rows are enumerated exactly up to this many combinations."""
+
+
+@dataclass(frozen=True)
+class Tail:
+    """``P(T >= t)`` as ``log10 p``, and how it was obtained."""
+
+    log10_p: float
+    method: str
+    """``exact``, ``saddlepoint`` or ``chernoff`` (an upper bound)."""
+
+    @property
+    def p(self) -> float:
+        """The p-value (0.0 where it underflows; ``log10_p`` stays finite)."""
+        return 10.0**self.log10_p if self.log10_p > -300 else 0.0
+
+
+class _CGF(Protocol):
+    def __call__(self, s: float) -> tuple[float, float, float]:
+        """``K(s), K'(s), K''(s)``."""
+        ...
+
+
+class BernoulliCells:
+    """CGF of ``<w, B>`` with independent ``B ~ Bernoulli(gamma)`` cells (``w`` centred)."""
+
+    def __init__(self, w: np.ndarray, gamma: float) -> None:
+        self.w = w[w != 0.0]
+        self.log_odds = math.log(gamma) - math.log1p(-gamma)
+        self.log_q = math.log1p(-gamma)
+        self.mean = gamma * float(self.w.sum())
+
+    def __call__(self, s: float) -> tuple[float, float, float]:
+        x = self.log_odds + s * self.w
+        k = float(np.sum(np.logaddexp(0.0, x))) + self.w.size * self.log_q
+        pi = 0.5 * (1.0 + np.tanh(0.5 * x))  # the tilted green probability, stable
+        return k, float(np.dot(self.w, pi)), float(np.dot(self.w * self.w, pi * (1.0 - pi)))
+
+
+class RowDraws:
+    """CGF of ``m`` independent uniform draws per row, summed over rows (``m = 1``: exactly a
+    random pick per row; ``m > 1``: an upper bound on a uniform ``m``-subset's, Hoeffding)."""
+
+    def __init__(self, W: np.ndarray, m: int) -> None:
+        self.W, self.m = W, m
+        self.log_cols = math.log(W.shape[1])
+        self.mean = m * float(W.mean(axis=1).sum())
+
+    def __call__(self, s: float) -> tuple[float, float, float]:
+        x = s * self.W
+        lse = logsumexp(x, axis=1, keepdims=True)
+        pi = np.exp(x - lse)
+        first = (pi * self.W).sum(1)
+        second = (pi * self.W * self.W).sum(1) - first * first
+        k = float((lse[:, 0] - self.log_cols).sum())
+        return self.m * k, self.m * float(first.sum()), self.m * float(second.sum())
+
+
+def _saddle(cgf: _CGF, t: float, mean: float) -> tuple[float, float, float]:
+    """``(s, K(s), K''(s))`` at ``K'(s) = t`` (safeguarded Newton on the convex ``K``)."""
+    lo, hi = (0.0, math.inf) if t >= mean else (-math.inf, 0.0)
+    s = 0.0
+    _, _, k2 = cgf(0.0)
+    s = (t - mean) / k2 if k2 > 0 else 0.0
+    for _ in range(200):
+        k, k1, k2 = cgf(s)
+        if k1 < t:
+            lo = max(lo, s)
+        else:
+            hi = min(hi, s)
+        step = (t - k1) / k2 if k2 > 0 else math.inf
+        nxt = s + step
+        if not (lo < nxt < hi) or not math.isfinite(nxt):
+            if math.isinf(hi):
+                nxt = 2.0 * s if s > 0 else 1.0
+            elif math.isinf(lo):
+                nxt = 2.0 * s if s < 0 else -1.0
+            else:
+                nxt = 0.5 * (lo + hi)
+        if abs(nxt - s) <= 1e-12 * max(1.0, abs(s)):
+            s = nxt
+            break
+        s = nxt
+    k, _, k2 = cgf(s)
+    return s, k, k2
+
+
+def saddlepoint_log10_sf(cgf: _CGF, t: float, mean: float = 0.0) -> float:
+    """``log10 P(T >= t)`` by Barndorff-Nielsen's ``r* = r + log(u / r) / r`` (the
+    Lugannani-Rice approximation in a form that never leaves ``[0, 1]``)."""
+    _, _, var0 = cgf(0.0)
+    if var0 <= 0.0:
+        return 0.0 if t <= mean else -math.inf
+    if abs(t - mean) < 1e-6 * math.sqrt(var0):
+        return math.log10(0.5)
+    s, k, k2 = _saddle(cgf, t, mean)
+    r = math.copysign(math.sqrt(max(0.0, 2.0 * (s * t - k))), s)
+    u = s * math.sqrt(k2)
+    if abs(r) < 1e-4 or u / r <= 0:
+        return float(log_ndtr(-(t - mean) / math.sqrt(var0))) / LN10
+    rstar = r + math.log(u / r) / r
+    return float(log_ndtr(-rstar)) / LN10
+
+
+def chernoff_log10_sf(cgf: _CGF, t: float, mean: float = 0.0) -> float:
+    """``log10`` of Chernoff's bound ``min_{s >= 0} exp(K(s) - s t)`` (1 for ``t <= mean``)."""
+    if t <= mean:
+        return 0.0
+    s, k, _ = _saddle(cgf, t, mean)
+    return min(0.0, (k - s * t) / LN10)
+
+
+def exact_one_of_log10_sf(W: np.ndarray, t: float) -> float:
+    """``log10 P(sum_x W[x, c_x] >= t)`` with every ``c_x`` uniform and independent, by
+    enumerating both halves of the rows (``prod(cols)`` at most :data:`EXACT_COMBINATIONS`)."""
+
+    def sums(rows: np.ndarray) -> np.ndarray:
+        out = np.zeros(1)
+        for row in rows:
+            out = (out[:, None] + row[None, :]).reshape(-1)
+        return out
+
+    half = len(W) // 2
+    a, b = sums(W[:half]), np.sort(sums(W[half:]))
+    # Tolerance: the owner's own sum must count as reaching itself despite float rounding.
+    tol = 1e-9 * max(1.0, float(np.abs(W).sum()))
+    hits = int((len(b) - np.searchsorted(b, t - a - tol, side="left")).sum())
+    return math.log10(hits / (len(a) * len(b)))
+
+
+def effective_cells(W: np.ndarray) -> float:
+    """``(sum w^2)^2 / sum w^4``: over how many cells the change is spread."""
+    sq = W.reshape(-1) ** 2
+    total = float(sq.sum())
+    return total * total / float((sq * sq).sum()) if total > 0 else 0.0
+
+
+@runtime_checkable
+class KeyLaw(Protocol):
+    """How a random key is distributed, for a statistic ``<W, key>`` linear in the key."""
+
+    def centre(self, change: torch.Tensor) -> torch.Tensor:
+        """The change with what no key can see removed (key-free), null mean exactly 0."""
+        ...
+
+    def variance(self, W: torch.Tensor) -> float:
+        """The null variance of ``<W, key>`` (``W`` centred)."""
+        ...
+
+    def tail(self, W: torch.Tensor, value: float) -> Tail:
+        """``P(<W, key> >= value)`` under a random key."""
+        ...
+
+    def random_values(self, Ws: list[torch.Tensor], n: int, seed: int) -> np.ndarray:
+        """``<W, key_k>`` for ``n`` random keys (``[len(Ws), n]``): the rank check."""
+        ...
+
+    def describe(self) -> dict:
+        """JSON-ready parameters (:func:`law_from_dict` rebuilds the law)."""
+        ...
+
+
+class RowSubsets:
+    """Rows independent, each a uniform ``m``-subset of its ``cols`` columns (KGW green
+    lists: ``m = gamma V``; FK: the true value among the candidates, ``m = 1``)."""
+
+    kind = "row-subsets"
+
+    def __init__(self, m: int, cols: int) -> None:
+        if not 1 <= m < cols:
+            raise ValueError(f"RowSubsets: need 1 <= m < cols, got m={m}, cols={cols}")
+        self.m, self.cols = m, cols
+        self.v = m * (cols - m) / (cols * (cols - 1))  # null variance per unit of sum w^2
+
+    def centre(self, change: torch.Tensor) -> torch.Tensor:
+        change = change.double().reshape(-1, self.cols)
+        return change - change.mean(dim=1, keepdim=True)
+
+    def variance(self, W: torch.Tensor) -> float:
+        return self.v * float((W.double() ** 2).sum())
+
+    def tail(self, W: torch.Tensor, value: float) -> Tail:
+        w = W.double().reshape(-1, self.cols).cpu().numpy()
+        if self.m == 1 and math.exp(len(w) * math.log(self.cols)) <= EXACT_COMBINATIONS:
+            return Tail(exact_one_of_log10_sf(w, value), "exact")
+        if effective_cells(w) >= MIN_EFFECTIVE_CELLS:
+            # Independent cells, scaled so that their variance is the fixed-size rows' exactly.
+            scale = math.sqrt(self.cols / (self.cols - 1))
+            cgf = (RowDraws(w, 1) if self.m == 1
+                   else BernoulliCells(scale * w.reshape(-1), self.gamma))  # fmt: skip
+            return Tail(saddlepoint_log10_sf(cgf, value), "saddlepoint")
+        return Tail(chernoff_log10_sf(RowDraws(w, self.m), value), "chernoff")
+
+    @property
+    def gamma(self) -> float:
+        """The share of a row the key marks."""
+        return self.m / self.cols
+
+    def random_values(self, Ws: list[torch.Tensor], n: int, seed: int) -> np.ndarray:
+        if self.m == 1:
+            gen = np.random.default_rng([seed, 0x0F1])
+            out = np.zeros((len(Ws), n))
+            for k in range(n):
+                idx = None
+                for i, W in enumerate(Ws):
+                    w = W.double().reshape(-1, self.cols).cpu().numpy()
+                    if idx is None:
+                        idx = gen.integers(self.cols, size=len(w))
+                    out[i, k] = float(w[np.arange(len(w)), idx].sum())
+            return out
+        from .nullkeys import RandomGreenLists
+
+        flat = torch.stack([W.float().reshape(-1) for W in Ws])
+        keys = RandomGreenLists(n, seed, flat.shape[1], self.gamma, flat.device)
+        return keys.sums(flat).double().cpu().numpy()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "m": self.m, "cols": self.cols}
+
+
+class Directions:
+    """A uniformly random unit vector (the synthetic bed's key): ``<W, u> / |W|`` is the first
+    coordinate of a uniform point on the sphere, ``(x + 1) / 2 ~ Beta((d-1)/2, (d-1)/2)``."""
+
+    kind = "directions"
+
+    def __init__(self, dim: int) -> None:
+        if dim < 2:
+            raise ValueError(f"Directions: dim must be >= 2, got {dim}")
+        self.dim = dim
+
+    def centre(self, change: torch.Tensor) -> torch.Tensor:
+        return change.double().reshape(1, -1)
+
+    def variance(self, W: torch.Tensor) -> float:
+        return float((W.double() ** 2).sum()) / self.dim
+
+    def tail(self, W: torch.Tensor, value: float) -> Tail:
+        norm = float(W.double().norm())
+        if norm == 0.0:
+            return Tail(0.0 if value <= 0 else -math.inf, "exact")
+        x = min(1.0, max(-1.0, value / norm))
+        a = 0.5 * (self.dim - 1)
+        return Tail(float(beta_dist.logsf(0.5 * (x + 1.0), a, a)) / LN10, "exact")
+
+    def random_values(self, Ws: list[torch.Tensor], n: int, seed: int) -> np.ndarray:
+        start = int(np.random.default_rng([seed, 0xD1]).integers(2**62))
+        gen = torch.Generator().manual_seed(start)
+        dirs = torch.randn(n, self.dim, generator=gen, dtype=torch.float64)
+        dirs = dirs / dirs.norm(dim=1, keepdim=True)
+        flat = torch.stack([W.double().reshape(-1).cpu() for W in Ws])
+        return (flat @ dirs.T).numpy()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "dim": self.dim}
+
+
+def law_from_dict(data: Mapping) -> KeyLaw:
+    """The law :meth:`KeyLaw.describe` wrote."""
+    if data.get("kind") == RowSubsets.kind:
+        return RowSubsets(int(data["m"]), int(data["cols"]))
+    if data.get("kind") == Directions.kind:
+        return Directions(int(data["dim"]))
+    raise ValueError(f"unknown key law {data!r}")
+
+
+def tilted_monte_carlo(
+    W: np.ndarray, gamma: float, t: float, n: int, seed: int = 0
+) -> tuple[float, float]:
+    """``(p, relative standard error)`` of ``P(<w, B> >= t)`` for independent Bernoulli(gamma)
+    cells (the random keys' law), by importance sampling from the CGF's exponential tilt at the
+    saddlepoint: the check of :func:`saddlepoint_log10_sf` far in the tail."""
+    w = W.reshape(-1)
+    w = w[w != 0.0]
+    cgf = BernoulliCells(w, gamma)
+    s, k, _ = _saddle(cgf, t, cgf.mean)
+    pi = 0.5 * (1.0 + np.tanh(0.5 * (cgf.log_odds + s * w)))
+    rng = np.random.default_rng(seed)
+    weights = np.empty(n)
+    chunk = max(1, int(4e7 // max(1, w.size)))
+    for start in range(0, n, chunk):
+        count = min(chunk, n - start)
+        draws = rng.random((count, w.size)) < pi
+        T = draws.astype(np.float64) @ w
+        weights[start : start + count] = np.where(t <= T, np.exp(k - s * T), 0.0)
+    p = float(weights.mean())
+    se = float(weights.std(ddof=1) / math.sqrt(n)) if n > 1 else math.inf
+    return p, se / p if p > 0 else math.inf

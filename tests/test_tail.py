@@ -1,0 +1,110 @@
+"""Exact tails of a statistic linear in the key (fedattr.watermarks.tail)."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedattr.watermarks.tail import (
+    BernoulliCells,
+    Directions,
+    RowDraws,
+    RowSubsets,
+    chernoff_log10_sf,
+    effective_cells,
+    law_from_dict,
+    saddlepoint_log10_sf,
+    tilted_monte_carlo,
+)
+
+
+def _centred(W):
+    return W - W.mean(axis=1, keepdims=True)
+
+
+def test_saddlepoint_agrees_with_tilted_monte_carlo_far_in_the_tail():
+    rng = np.random.default_rng(1)
+    W = _centred(rng.standard_t(3, size=(40, 256)))  # heavy-tailed cells, as a change's are
+    sd = math.sqrt(0.25 * 0.75 * (W**2).sum())
+    for z in (3.0, 5.0, 8.0):
+        sp = 10 ** saddlepoint_log10_sf(BernoulliCells(W.reshape(-1), 0.25), z * sd)
+        mc, rel = tilted_monte_carlo(W, 0.25, z * sd, 3000, seed=2)
+        assert rel < 0.1
+        assert sp == pytest.approx(mc, rel=0.25)
+
+
+def test_fixed_size_rows_agree_with_their_saddlepoint_in_the_bulk():
+    rng = np.random.default_rng(5)
+    rows, V, m = 20, 64, 16
+    W = _centred(rng.normal(size=(rows, V)))
+    law = RowSubsets(m, V)
+    idx = torch.rand(40_000, rows, V, generator=torch.Generator().manual_seed(0)).argsort(-1)
+    mask = torch.zeros(40_000, rows, V, dtype=torch.float64).scatter_(2, idx[..., :m], 1.0)
+    T = (mask * torch.tensor(W)).sum((1, 2)).numpy()
+    assert T.std() == pytest.approx(math.sqrt(law.variance(torch.tensor(W))), rel=0.02)
+    t = float(np.quantile(T, 0.99))
+    tail = law.tail(torch.tensor(W), t)
+    assert tail.method == "saddlepoint" and tail.p == pytest.approx(0.01, rel=0.15)
+
+
+def test_chernoff_bounds_the_fixed_size_tail_from_above():
+    rng = np.random.default_rng(6)
+    W = _centred(np.zeros((3, 32)))
+    W[:, 0], W[:, 1] = 3.0, -1.0  # a change on a handful of cells: few effective cells
+    W = _centred(W + 0.01 * rng.normal(size=W.shape))
+    assert effective_cells(W) < 30
+    law = RowSubsets(8, 32)
+    idx = torch.rand(100_000, 3, 32, generator=torch.Generator().manual_seed(1)).argsort(-1)
+    mask = torch.zeros(100_000, 3, 32, dtype=torch.float64).scatter_(2, idx[..., :8], 1.0)
+    T = (mask * torch.tensor(W)).sum((1, 2)).numpy()
+    for t in (2.0, 5.0, 8.0):
+        tail = law.tail(torch.tensor(W), t)
+        assert tail.method == "chernoff" and tail.p >= np.mean(t <= T)
+    assert chernoff_log10_sf(RowDraws(W, 8), -1.0) == 0.0
+
+
+def test_one_pick_per_row_is_exact_by_enumeration():
+    rng = np.random.default_rng(7)
+    W = _centred(rng.normal(size=(4, 6)))
+    law = RowSubsets(1, 6)
+    sums = np.array([sum(W[r, c] for r, c in enumerate(cs))
+                     for cs in itertools.product(range(6), repeat=4)])  # fmt: skip
+    for t in (W[:, 0].sum(), 1.5, -0.3):
+        tail = law.tail(torch.tensor(W), float(t))
+        assert tail.method == "exact"
+        assert tail.p == pytest.approx(np.mean(sums >= t - 1e-12))
+
+
+def test_direction_tail_is_the_sphere_marginal():
+    d = Directions(30)
+    rng = np.random.default_rng(8)
+    u = rng.normal(size=(200_000, 30))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    W = torch.tensor(rng.normal(size=30))
+    proj = u @ W.numpy()
+    t = float(np.quantile(proj, 0.995))
+    assert d.tail(W, t).p == pytest.approx(0.005, rel=0.1)
+    assert d.variance(W) == pytest.approx(proj.var(), rel=0.02)
+
+
+def test_log10_p_stays_finite_far_below_1e_300():
+    rng = np.random.default_rng(9)
+    W = _centred(rng.normal(size=(200, 128)))
+    law = RowSubsets(32, 128)
+    sd = math.sqrt(law.variance(torch.tensor(W)))
+    tail = law.tail(torch.tensor(W), 60 * sd)
+    assert tail.p == 0.0 and -2000 < tail.log10_p < -300
+    assert Directions(1000).tail(torch.ones(1000), 999.0).log10_p < -300
+
+
+def test_random_values_and_descriptions():
+    rng = np.random.default_rng(10)
+    W = torch.tensor(_centred(rng.normal(size=(30, 64))))
+    for law in (RowSubsets(16, 64), RowSubsets(1, 64), Directions(30 * 64)):
+        vals = law.random_values([W, 2 * W], 400, seed=1)
+        assert vals.shape == (2, 400)
+        assert vals[1] == pytest.approx(2 * vals[0])  # the same keys read every client
+        assert vals[0].var() == pytest.approx(law.variance(W), rel=0.25)
+        assert law_from_dict(law.describe()).describe() == law.describe()
