@@ -170,3 +170,20 @@ def test_token_centring_removes_drift_no_key_sees_and_keeps_the_null_exact():
     # The drift took most of client 0's plain change; centred away, the rest is what is read.
     share = lambda x: float((x.double()[:, :4] ** 2).sum() / (x.double() ** 2).sum())  # noqa: E731
     assert share(plain[0]["p"]) > 0.5 > 0.1 > share(c)
+
+
+def test_calibration_in_parallel_processes_gives_the_same_runs_and_family_wise_counts(tmp_path):
+    common = ["experiment", "calibration", "--seeds", "0-2", "--r", "0,3",
+              "--set", "synthetic.dim=64", "--set", "secagg.backend=plaintext"]  # fmt: skip
+    assert main([*common, "--out", str(tmp_path / "one")]) == 0
+    assert main([*common, "--jobs", "2", "--out", str(tmp_path / "two")]) == 0
+    import json
+
+    for name in ("r0-seed1", "r3-seed2"):
+        a = json.loads((tmp_path / "one" / name / "results.json").read_text())["clients"]
+        b = json.loads((tmp_path / "two" / name / "results.json").read_text())["clients"]
+        assert [c["p"] for c in a] == [c["p"] for c in b]
+    one = json.loads((tmp_path / "one" / "calibration.json").read_text())["statistics"]
+    cal = one["calibrated"]
+    assert 0 <= cal["runs_naming_clean"] <= 6 and len(cal["runs_naming_clean_ci95"]) == 2
+    assert main([*common, "--jobs", "0", "--out", str(tmp_path / "bad")]) == 2

@@ -176,10 +176,22 @@ def test_threads_follow_fedattr_threads(monkeypatch):
     before = torch.get_num_threads()
     try:
         monkeypatch.setenv("FEDATTR_THREADS", "1")
-        assert set_threads() == 1 and torch.get_num_threads() == 1
+        assert set_threads() == (1, None) and torch.get_num_threads() == 1
         monkeypatch.setenv("FEDATTR_THREADS", "many")
         with pytest.raises(UserError, match="FEDATTR_THREADS"):
             set_threads()
+        # Unset: the CPUs other work leaves free, at least one, with a note when fewer.
+        import fedattr.runtime as runtime
+
+        monkeypatch.delenv("FEDATTR_THREADS")
+        monkeypatch.setattr(runtime, "available_cpus", lambda: 4)
+        monkeypatch.setattr(runtime, "busy_cpus", lambda: 3)
+        n, note = set_threads()
+        assert n == 1 == torch.get_num_threads() and "busy" in note and "FEDATTR_THREADS" in note
+        monkeypatch.setattr(runtime, "busy_cpus", lambda: 9)
+        assert set_threads()[0] == 1
+        monkeypatch.setattr(runtime, "busy_cpus", lambda: 0)
+        assert set_threads() == (4, None)
     finally:
         torch.set_num_threads(before)
 

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.flower
+
 flwr = pytest.importorskip(
     "flwr", reason="the Flower extra is not installed (pip install '.[flower]')"
 )

@@ -20,6 +20,8 @@ from fedattr.experiments.run import run_demo, run_experiment
 from fedattr.flower.launch import LoopbackFederation, run_loopback
 from fedattr.reporting.run_folder import RunFolder
 
+pytestmark = pytest.mark.flower
+
 
 def _processes_using(path: Path) -> list[int]:
     """Processes whose environment names ``path`` (the federation's FLWR_HOME)."""
@@ -85,12 +87,15 @@ def test_the_federation_stops_every_process_it_started(tmp_path):
 
 def test_flower_local_refuses_what_it_cannot_run_before_starting_a_process(tmp_path, monkeypatch,
                                                                            capsys):  # fmt: skip
+    import torch
+
     from fedattr.cli import main
 
     def no_process(self):
         raise AssertionError("a process was started before the settings were checked")
 
     monkeypatch.setattr(LoopbackFederation, "start", no_process)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "one.json").write_text('[{"instruction": "a", "output": "b"}]')
     for args, message in [
@@ -98,6 +103,9 @@ def test_flower_local_refuses_what_it_cannot_run_before_starting_a_process(tmp_p
         (["--demo", "--set", "secagg.backend=plaintext"], "secagg.backend: on Flower"),
         (["--set", "data.path=one.json"], "data.path: 'one.json' holds 1 usable record"),
         (["--timeout", "0"], "--timeout: must be > 0 seconds"),
+        # The loopback nodes run here: a device this machine lacks is refused before them.
+        (["--demo", "--set", "secagg.device=cuda"], "secagg.device=cuda: torch sees no CUDA"),
+        (["--set", "secagg.device=cuda"], "secagg.device=cuda: torch sees no CUDA"),
     ]:
         for out in ([], ["--out", "d1"]):
             assert main(["flower", "local", *args, *out]) == 2

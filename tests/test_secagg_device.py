@@ -61,13 +61,82 @@ def test_backends_on_the_device_path_answer_exactly(monkeypatch, backend, ring):
 def test_device_setting_errors_name_the_allowed_values():
     with pytest.raises(SecAggError, match="allowed: cpu, cuda, cuda:N, auto"):
         SecAggConfig(device="tpu")
+    with pytest.raises(SecAggError, match="allowed: chacha20, auto"):
+        SecAggConfig(device="cuda", prg="aes-ctr")  # refused by syntax alone, on any machine
     assert SecAggConfig(device="auto").torch_device().type in ("cpu", "cuda")
     if not torch.cuda.is_available():
         with pytest.raises(SecAggError, match="no CUDA device"):
-            SecAggConfig(device="cuda")
-    else:
-        with pytest.raises(SecAggError, match="allowed: chacha20"):
-            SecAggConfig(device="cuda", prg="aes-ctr")
+            SecAggConfig(device="cuda").torch_device()
+
+
+def test_loading_a_gpu_config_never_probes_the_hardware(monkeypatch, tmp_path):
+    # A config.json written on a GPU machine loads on a CPU one (an owner's run_config_of,
+    # --resume, attribute); the device is checked when a run starts, in one line.
+    import json
+
+    from fedattr.config import from_dict, load
+    from fedattr.experiments.config import DemoConfig, RunConfig
+
+    def probe():
+        raise AssertionError("loading a configuration probed the hardware")
+
+    monkeypatch.setattr(torch.cuda, "is_available", probe)
+    monkeypatch.setattr(torch.cuda, "device_count", probe)
+    settings = {"secagg": {"device": "cuda:1", "prg": "chacha20"}, "model": {"device": "cuda"}}
+    cfg = from_dict(RunConfig, settings)
+    assert cfg.secagg.device == "cuda:1" and cfg.model.device == "cuda"
+    (tmp_path / "config.json").write_text(json.dumps({"secagg": {"device": "cuda"}}))
+    assert load(DemoConfig, tmp_path / "config.json").secagg.device == "cuda"
+    assert SecAggConfig(device="auto", prg="aes-ctr").device == "auto"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SecAggError, match=r"^secagg\.device=cuda: torch sees no CUDA device"):
+        make_aggregator(SecAggConfig(backend="plaintext", device="cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SecAggError, match=r"secagg\.device=cuda:1: torch sees 1 CUDA device"):
+        SecAggConfig(device="cuda:1").torch_device()
+    # auto is a GPU here, which AES-CTR (CPU only) cannot mask on: refused when the run starts.
+    with pytest.raises(SecAggError, match=r"secagg\.prg=aes-ctr runs on the CPU only"):
+        SecAggConfig(device="auto", prg="aes-ctr").torch_device()
+
+
+@pytest.mark.parametrize(
+    ("command", "setting", "match"),
+    [
+        ("demo-protocol", "secagg.device=cuda", "secagg.device=cuda: torch sees no CUDA device"),
+        ("run", "secagg.device=cuda", "secagg.device=cuda: torch sees no CUDA device"),
+        ("run", "model.device=cuda", "model.device: cuda was requested"),
+    ],
+)
+def test_a_run_on_a_missing_device_is_refused_in_one_line_before_any_folder(
+    monkeypatch, tmp_path, capsys, command, setting, match
+):
+    from fedattr.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "runs" / "gpu"
+    assert main([command, "--set", setting, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and "\n" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resuming_a_gpu_run_on_a_cpu_machine_is_refused_and_keeps_the_folder(
+    monkeypatch, tmp_path, capsys
+):
+    from fedattr.cli import main
+    from fedattr.config import from_dict, to_dict
+    from fedattr.experiments.config import RunConfig
+    from fedattr.reporting.run_folder import RunFolder
+
+    folder = RunFolder(tmp_path / "run")
+    folder.claim(to_dict(from_dict(RunConfig, {"secagg": {"device": "cuda"}})))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["run", "--resume", str(folder.path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "secagg.device=cuda: torch sees no CUDA device" in err and "\n" not in err
+    assert (folder.path / "config.json").is_file()
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])

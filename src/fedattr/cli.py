@@ -17,10 +17,11 @@ from .runtime import set_threads
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .config import load, to_dict
     from .experiments.config import DemoConfig
-    from .experiments.run import run_demo
+    from .experiments.run import check_devices, run_demo
     from .reporting.run_folder import RunFolder
 
     cfg = load(DemoConfig, args.config, args.set)
+    check_devices(cfg)  # this machine's hardware: when the run starts, before any folder
     folder = None
     if args.out:
         folder = RunFolder(args.out)
@@ -414,10 +415,13 @@ def _cmd_flower_local(args: argparse.Namespace) -> int:
     from .flower.server_app import check_settings
 
     check_settings(cfg, command)
-    if command == "run":
-        from .experiments.run import check_inputs
+    from .experiments.run import check_devices, check_inputs
 
-        check_inputs(cfg)
+    # Loopback: every node runs on this machine, so its hardware is the nodes' hardware.
+    if command == "run":
+        check_inputs(cfg)  # check_devices, then data, key files, model path
+    else:
+        check_devices(cfg)
     if default is not None:
         folder = RunFolder(args.out or default)
         folder.claim(to_dict(cfg))  # before any process starts: a bad --out costs nothing
@@ -931,7 +935,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command in ("run", "experiment", "demo-protocol", "bench", "flower", "owner",
                             "attribute"):
-            set_threads()
+            _, note = set_threads()
+            if note:
+                print(f"fedattr: {note}", file=sys.stderr)
         return args.func(args)
     except UserError as exc:
         print(f"fedattr: error: {exc}", file=sys.stderr)

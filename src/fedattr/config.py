@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
+import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar, Union
 
 from .errors import UserError, require_file
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 T = TypeVar("T")
 

@@ -44,15 +44,39 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
-def set_threads() -> int:
-    """Set torch's intra-op threads to ``FEDATTR_THREADS`` or :func:`available_cpus`.
+def busy_cpus() -> int:
+    """CPUs other work keeps busy: the 1-minute load average, rounded (0 where unknown)."""
+    try:
+        return max(0, round(os.getloadavg()[0]))
+    except (AttributeError, OSError):  # pragma: no cover - not on Unix
+        return 0
+
+
+def default_threads() -> tuple[int, str | None]:
+    """Threads for a run that was given none: the CPUs other work leaves free (at least one),
+    and a note to show when that is fewer than the machine has. Two processes that each take
+    every core slow each other several-fold; one that takes its share does not."""
+    cpus = available_cpus()
+    free = max(1, cpus - busy_cpus())
+    if free >= cpus:
+        return cpus, None
+    note = (f"the machine is busy (load {os.getloadavg()[0]:.1f} on {cpus} CPUs): using "
+            f"{free} thread{'s' if free > 1 else ''}; set FEDATTR_THREADS to choose")  # fmt: skip
+    return free, note
+
+
+def set_threads() -> tuple[int, str | None]:
+    """Set torch's intra-op threads to ``FEDATTR_THREADS`` or :func:`default_threads`;
+    returns the count and the note to show (``None``: nothing to say).
 
     Torch otherwise sizes its pool from the machine's cores, which over-subscribes a container
-    with a CPU quota; with several runs on one machine, give each ``FEDATTR_THREADS=1``.
+    with a CPU quota, or a machine other work already keeps busy; with several runs started on
+    one machine at once, give each ``FEDATTR_THREADS=1``.
     """
     import torch
 
     raw = os.environ.get("FEDATTR_THREADS", "")
+    note = None
     if raw:
         try:
             n = int(raw)
@@ -61,6 +85,6 @@ def set_threads() -> int:
         if n < 1:
             raise UserError(f"FEDATTR_THREADS: must be an integer >= 1, got {raw!r}")
     else:
-        n = available_cpus()
+        n, note = default_threads()
     torch.set_num_threads(n)
-    return n
+    return n, note

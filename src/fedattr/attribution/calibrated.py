@@ -75,6 +75,15 @@ class LinearKeyScorer(Protocol):
         ...
 
 
+@runtime_checkable
+class SpreadReporter(Protocol):
+    """A detector that says over how many contexts a change is spread (for the record)."""
+
+    def effective_contexts(self, reference: Any, candidate: Any) -> float:
+        """``(sum ||D[x]||^2)^2 / sum ||D[x]||^4`` of the change between two observations."""
+        ...
+
+
 def null_valid(scorer: Any) -> bool:
     """Whether the scorer's key is exchangeable with a random one in every round (FK's is not:
     ``null_valid = False``)."""

@@ -45,7 +45,7 @@ def estimate_update(sa: SecureAggregator, design: QueryDesign, fused: bool = Fal
     (answer,) = sa.run_queries([QueryGroup([design_queries(design, fused)])])
     if answer.results is None:
         if answer.missing:
-            raise QueryFailed(answer.error, answer.missing)
+            raise QueryFailed(answer.error or "members did not answer", answer.missing)
         raise QueryRefused(answer.error)
     return combine_answers(design, answer.results, fused)
 

@@ -86,7 +86,9 @@ def write_round(
     folder.mkdir(parents=True, exist_ok=True)
     updates = {}
     for e in estimates.estimates:
-        for name, t in estimates.layout.unflatten(e.flat).items():
+        update = estimates.layout.unflatten(e.flat)
+        assert isinstance(update, Mapping)  # a mapping reference unflattens to a mapping
+        for name, t in update.items():
             updates[f"{e.target}/{name}"] = t
     digests = {
         "reference.safetensors": _save(folder / "reference.safetensors", _tensors(reference)),

@@ -21,7 +21,7 @@ from ..errors import UserError
 from ..secagg.base import QueryGroup, SecureAggregator
 from ..secagg.errors import QueryRefused
 from ..updates import UpdateLayout, add_update, scale_update
-from .calibrated import CalibratedNull, LinearKeyScorer
+from .calibrated import CalibratedNull, LinearKeyScorer, SpreadReporter
 from .config import AttributionConfig
 from .design import DesignError, QueryDesign, draw_design, validate_parameters
 from .estimator import combine_answers, design_queries
@@ -249,6 +249,7 @@ class FedAttr:
             for (target, designs, fused), answer in zip(plans, answers, strict=True):
                 st = targets[target]
                 if answer.results is not None:
+                    assert answer.chosen is not None  # an answered group says which design
                     st.attempts += answer.chosen + 1
                     design, as_one = designs[answer.chosen], fused[answer.chosen]
                     flat = combine_answers(design, answer.results, as_one)
@@ -359,7 +360,7 @@ class FedAttr:
             scorer, chain([reference], (apply(reference, u) for u in [*updates, *extra]))
         )
         spread = []
-        if callable(getattr(scorer, "effective_contexts", None)):
+        if isinstance(scorer, SpreadReporter):
             spread = [scorer.effective_contexts(ref_obs, obs) for obs in observed[: len(updates)]]
         changes = [scorer.change(ref_obs, obs) for obs in observed]
         del observed

@@ -15,7 +15,7 @@ change (e.g. the teacher-forced KGW green-mass contrast) plugs into the same pro
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ class Scorer(Protocol):
     def __call__(self, params: Any) -> float | Mapping[str, float]: ...
 
 
+@runtime_checkable
 class PairedScorer(Protocol):
     """A scorer that tests the change between a reference and a candidate model directly.
 
@@ -110,7 +111,17 @@ class LinearScorer:
         return {DEFAULT_STATISTIC: (float(torch.dot(self.direction, change)) / self.scale, null)}
 
 
-def observe_all(scorer: PairedScorer, params: Sequence[Any]) -> Iterable[Any]:
+@runtime_checkable
+class BatchedScorer(PairedScorer, Protocol):
+    """A paired scorer that observes several parameter sets in one pass (``observe_many``);
+    ``batched = False`` says it would only loop over ``observe``."""
+
+    def observe_many(self, many: Sequence[Any]) -> list[Any]:
+        """One observation per entry of ``many``, in order."""
+        ...
+
+
+def observe_all(scorer: Any, params: Iterable[Any]) -> Iterable[Any]:
     """The scorer's observation of every entry of ``params``: one batched ``observe_many`` call
     when the scorer has it, else ``observe`` lazily one at a time (so only one candidate's
     parameters need to exist at a time when ``params`` is lazy)."""
@@ -123,14 +134,12 @@ def observes_in_batches(scorer: Any) -> bool:
     """Whether :func:`observe_all` sees a round's candidates in one batched call: the scorer
     has ``observe_many`` and does not say ``batched = False`` (a scorer that would only loop
     over ``observe`` is better fed lazily, one candidate's parameters at a time)."""
-    return callable(getattr(scorer, "observe_many", None)) and getattr(scorer, "batched", True)
+    return isinstance(scorer, BatchedScorer) and getattr(scorer, "batched", True)
 
 
 def is_paired(scorer: Any) -> bool:
     """Whether ``scorer`` follows :class:`PairedScorer` (has ``observe`` and ``contrast``)."""
-    return callable(getattr(scorer, "observe", None)) and callable(
-        getattr(scorer, "contrast", None)
-    )
+    return isinstance(scorer, PairedScorer)
 
 
 class DifferentialScorer:
@@ -143,15 +152,16 @@ class DifferentialScorer:
     def __init__(
         self, scorer: Scorer | PairedScorer, reference: Any, apply: ApplyUpdate = add_update
     ) -> None:
-        self.scorer = scorer
+        # Any: a plain or a paired scorer, told apart at run time (is_paired).
+        self.scorer: Any = cast(Any, scorer)
         self.reference = reference
         self.apply = apply
         self.paired = is_paired(scorer)
         if self.paired:
-            self._reference_obs = scorer.observe(reference)
+            self._reference_obs = self.scorer.observe(reference)
             self.reference_score: dict[str, float] = {}
         else:
-            self.reference_score = as_statistics(scorer(reference))
+            self.reference_score = as_statistics(self.scorer(reference))
 
     def __call__(self, estimate: Update) -> dict[str, float]:
         """``Score(reference + estimate) - Score(reference)`` for every statistic, or the

@@ -52,7 +52,7 @@ class ClientAttribution:
 
     def to_dict(self) -> dict:
         """JSON-ready form (round keys become strings, as JSON requires)."""
-        extra = {} if self.p_rank is None else {"p_rank": self.p_rank}
+        extra: dict[str, object] = {} if self.p_rank is None else {"p_rank": self.p_rank}
         if self.tail is not None:
             extra.update(tail=self.tail, calibrated=self.calibrated)
         return {

@@ -128,8 +128,16 @@ def run_calibration(
                 name = fut.result()
                 if i % 20 == 0 or i == len(plan):
                     say(f"[{i}/{len(plan)}] {name}: done")
-    summary = summarize([RunFolder(out / f"r{r}-seed{seed}").results() for r, seed in plan])
+    results = {(r, seed): RunFolder(out / f"r{r}-seed{seed}").results() for r, seed in plan}
+    summary = summarize(list(results.values()))
     summary.update(bed=spec.bed, seeds=list(spec.seeds), r=list(spec.r))
+    if len(spec.r) > 1:  # each r alone: a level held pooled may hide one r above it
+        summary["by_r"] = {}
+        for r in spec.r:
+            part = summarize([res for (rr, _), res in results.items() if rr == r])
+            for stats in part["statistics"].values():
+                del stats["null_p"]
+            summary["by_r"][str(r)] = part
     write_calibration(summary, out)
     return summary
 
@@ -207,6 +215,28 @@ def write_calibration(summary: dict, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "calibration.json").write_text(json.dumps(summary, indent=2))
+    rows = _rows(summary)
+    head = ["statistic", "null pairs", *[f"FPR at α={a} [95% CI]" for a in LEVELS],
+            "named: watermarked", "named: clean",
+            "runs naming a clean client [95% CI]"]  # fmt: skip
+    by_r = "".join(
+        f"\n\n**r = {r}** ({part['runs']} runs)\n\n" + table(head, _rows(part))
+        for r, part in summary.get("by_r", {}).items()
+    )
+    text = (
+        f"Bed `{summary['bed']}`, r ∈ {summary['r']}, {len(summary['seeds'])} seeds, "
+        f"{summary['runs']} runs. FPR: share of null (client, key) pairs with p < α (✓: inside "
+        "the binomial 95% interval around α). Named: clients flagged by the statistic's own "
+        "rule (calibrated: family-wise α over clients × owners; paper: Z > γ); the last column "
+        "is the family-wise error the rule is meant to hold at α.\n\n"
+        + table(head, rows) + by_r + "\n\n![QQ plot](qq.png)\n"
+    )
+    (out / "calibration.md").write_text(text)
+    _qq_plot(summary, out / "qq.png")
+
+
+def _rows(summary: dict) -> list[list]:
+    """One table row per statistic of ``summarize``'s output."""
     rows = []
     for name, s in summary["statistics"].items():
         cells = []
@@ -222,19 +252,7 @@ def write_calibration(summary: dict, out: Path) -> None:
               f"({100 * s['runs_naming_clean'] / max(1, summary['runs']):.2f}% "
               f"[{100 * lo:.2f}, {100 * hi:.2f}])")  # fmt: skip
         rows.append([name, s["null_pairs"], *cells, tpr, fpr, fw])
-    head = ["statistic", "null pairs", *[f"FPR at α={a} [95% CI]" for a in LEVELS],
-            "named: watermarked", "named: clean",
-            "runs naming a clean client [95% CI]"]  # fmt: skip
-    text = (
-        f"Bed `{summary['bed']}`, r ∈ {summary['r']}, {len(summary['seeds'])} seeds, "
-        f"{summary['runs']} runs. FPR: share of null (client, key) pairs with p < α (✓: inside "
-        "the binomial 95% interval around α). Named: clients flagged by the statistic's own "
-        "rule (calibrated: family-wise α over clients × owners; paper: Z > γ); the last column "
-        "is the family-wise error the rule is meant to hold at α.\n\n"
-        + table(head, rows) + "\n\n![QQ plot](qq.png)\n"
-    )
-    (out / "calibration.md").write_text(text)
-    _qq_plot(summary, out / "qq.png")
+    return rows
 
 
 def _qq_plot(summary: dict, path: Path) -> None:

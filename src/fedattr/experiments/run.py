@@ -209,16 +209,30 @@ def _checkpointing(folder: RunFolder | None, engine_observers: list[Observer]) -
         engine_observers.append(Checkpointer(folder.save_checkpoint))
 
 
+def check_devices(cfg: RunConfig | DemoConfig) -> None:
+    """The devices a run on this machine asks for (``secagg.device``, ``model.device``),
+    checked against its hardware when the run starts, not when its settings load: a
+    ``config.json`` written on a GPU machine loads anywhere. One :class:`UserError` naming the
+    setting, before any folder is written."""
+    from ..models.loading import resolve_device
+
+    cfg.secagg.torch_device()
+    if isinstance(cfg, RunConfig):
+        resolve_device(cfg.model.device)
+
+
 def check_inputs(cfg: RunConfig) -> None:
     """What a run reads besides its settings, checked before any folder is written or model
-    loaded, so a bad file costs nothing: a local data file (its rows, and enough records for
-    ``fl.K`` clients), the owners' key files and watermarked corpus, a local model path. A
-    Hugging Face dataset id is left to the run (it may need the network)."""
+    loaded, so a bad file costs nothing: the devices it asks for (:func:`check_devices`), a
+    local data file (its rows, and enough records for ``fl.K`` clients), the owners' key files
+    and watermarked corpus, a local model path. A Hugging Face dataset id is left to the run
+    (it may need the network)."""
     from ..data.loaders import load_records
     from ..fl.federation import check_client_records
     from ..models.loading import check_model_source
     from ..watermarks.keys import load_key
 
+    check_devices(cfg)
     d, wm = cfg.data, cfg.watermark
     if d.path and (Path(d.path).suffix in (".json", ".jsonl") or Path(d.path).exists()):
         check_client_records(d, wm, len(load_records(d.path, d.split)), cfg.fl.K)

@@ -79,7 +79,9 @@ def register(msg: Message, context: Context) -> Message:
     rec = msg.content.config_records["fedattr"]
     command, text = str(rec["command"]), str(rec["config"])
     client = partition_id(context.node_config)
-    node = _node(command, config_of(command, text), client)
+    cfg = config_of(command, text)
+    cfg.secagg.torch_device()  # this node's masking device: checked here, before any round
+    node = _node(command, cfg, client)
     size = node.data_size()
     stored = {"command": command, "config": text, "client": client}
     if isinstance(node, LLMClientNode):

@@ -196,9 +196,11 @@ def build_attribution_figure(report: AttributionReport) -> Figure:
         colour = _COLOURS[c.watermarked]
         style = {"color": colour, "alpha": 0.85, "lw": 1.4}
         ax_z.plot(xs, zs, marker="o", ms=3, label=f"client {c.id}", **style)
-        ax_s.plot(xs, cumulative, marker="o", ms=3, label=f"client {c.id}", **style)
         if math.isfinite(zs[-1]):
             labels_z.append((xs[-1], zs[-1], str(c.id), colour))
+        if report.statistic == "calibrated":
+            continue  # the right panel draws the verdict's own statistic (below)
+        ax_s.plot(xs, cumulative, marker="o", ms=3, label=f"client {c.id}", **style)
         if math.isfinite(cumulative[-1]):
             labels_s.append((xs[-1], cumulative[-1], str(c.id), colour))
         if c.flagged:
@@ -274,8 +276,8 @@ def _verdict_panel(ax, report: AttributionReport) -> None:
                     color="black", zorder=3)  # fmt: skip
     ax.axhline(cut, color="black", ls="--", lw=1)
     ax.set_xticks(range(K), [str(i) for i in ids])
-    ax.set(title="verdict: $-\\log_{10} p$ of each client (★ named)", xlabel="client",
-           ylabel="$-\\log_{10} p$ (exact tail, Bonferroni over owners)")  # fmt: skip
+    ax.set(title="verdict: $-\\log_{10} p$ of each client (★ named; drawn up to 50)",
+           xlabel="client", ylabel="$-\\log_{10} p$ (exact tail, Bonferroni over owners)")
     import matplotlib.pyplot as plt
 
     handles = [plt.Line2D([], [], color=_COLOURS[k], lw=6, label=lab)

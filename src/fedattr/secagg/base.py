@@ -34,7 +34,7 @@ from .fixedpoint import FixedPointCodec
 from .policy import ReleasePolicy, SessionLedgers
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
     from .config import SecAggConfig
 
@@ -211,7 +211,7 @@ class SecureAggregator(ABC):
         self.codec.check_capacity(len(ids))
         self._round, self._clients = int(round_id), ids
         self._submitted, self._layout, self._next_query = set(), None, 0
-        self._offline: set[int] = set()
+        self._offline = set()
         self._policy = self._new_policy()
         if self._policy is not None:
             self._policy.reset(ids)
@@ -378,6 +378,7 @@ class SecureAggregator(ABC):
         self._answered(members, coefs)
         seconds = time.perf_counter() - start
         self._next_query += 1
+        assert self._round is not None  # _authorize refused a query outside an open round
         self.log.append(
             QueryRecord(
                 self._round,

@@ -78,33 +78,55 @@ class SecAggConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise SecAggError(f"secagg.dropout: must be in [0, 1), got {self.dropout}")
         self.codec()  # validates ring_bits, frac_bits and clip together
-        device = self.torch_device()
-        if device.type == "cuda" and not torch.cuda.is_available():
+        # Syntax only: loading a configuration never probes the hardware (a config.json written
+        # on a GPU machine loads anywhere); :meth:`torch_device` checks it when a run starts.
+        if not re.fullmatch(r"cpu|cuda(:\d+)?|auto", str(self.device)):
             raise SecAggError(
-                f"secagg.device={self.device}: torch sees no CUDA device here; allowed: cpu, auto"
+                f"secagg.device: unknown {self.device!r}; allowed: cpu, cuda, cuda:N, auto"
             )
-        if device.type != "cpu" and self.prg not in ("chacha20", "auto"):
+        if self.device not in ("cpu", "auto") and self.prg not in ("chacha20", "auto"):
             raise SecAggError(
                 f"secagg.prg={self.prg} runs on the CPU only; with secagg.device={self.device} "
                 "allowed: chacha20, auto"
             )
 
-    def torch_device(self) -> torch.device:
-        """The resolved :attr:`device`."""
+    def _resolved(self) -> torch.device:
+        """:attr:`device` with ``auto`` resolved, unchecked against the hardware."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
-            raise SecAggError(
-                f"secagg.device: unknown {self.device!r}; allowed: cpu, cuda, cuda:N, auto"
-            )
         return torch.device(self.device)
+
+    def torch_device(self) -> torch.device:
+        """The resolved :attr:`device`, checked against this machine: call it when a run
+        starts (:func:`make_aggregator` does). A :class:`SecAggError` names ``secagg.device``
+        when it is not here (``cuda`` without a GPU, ``cuda:N`` past the last one) or cannot
+        run :attr:`prg`."""
+        device = self._resolved()
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise SecAggError(
+                    f"secagg.device={self.device}: torch sees no CUDA device here; "
+                    "allowed: cpu, auto"
+                )
+            count = torch.cuda.device_count()
+            if device.index is not None and device.index >= count:
+                raise SecAggError(
+                    f"secagg.device={self.device}: torch sees {count} CUDA device(s) here; "
+                    f"allowed: cpu, cuda, cuda:0..cuda:{count - 1}, auto"
+                )
+        if device.type != "cpu" and self.prg not in ("chacha20", "auto"):
+            raise SecAggError(
+                f"secagg.prg={self.prg} runs on the CPU only; with secagg.device={self.device} "
+                f"({device}) allowed: chacha20, auto"
+            )
+        return device
 
     def resolved_prg(self, distributed: bool = False) -> str:
         """The cipher :attr:`prg` names here: ``auto`` is ``aes-ctr`` when every party masks
         on this machine's CPU, else ``chacha20`` (``distributed``: parties on other machines)."""
         if self.prg != "auto":
             return self.prg
-        return "aes-ctr" if not distributed and self.torch_device().type == "cpu" else "chacha20"
+        return "aes-ctr" if not distributed and self._resolved().type == "cpu" else "chacha20"
 
     def codec(self) -> FixedPointCodec:
         """The fixed-point codec these settings describe."""
@@ -112,5 +134,7 @@ class SecAggConfig:
 
 
 def make_aggregator(config: SecAggConfig) -> SecureAggregator:
-    """Build the configured backend."""
+    """Build the configured backend; the run starts here, so :attr:`SecAggConfig.device` is
+    checked against this machine first."""
+    config.torch_device()
     return BACKENDS[config.backend].from_config(config)

@@ -40,6 +40,7 @@ from .prg import PRG_NAMES, masked
 
 if TYPE_CHECKING:
     from .config import SecAggConfig
+    from .policy import SessionLedgers
 
 _HKDF_SALT = b"fedattr/secagg/pairwise-mask/v1"
 
@@ -186,7 +187,7 @@ class PairwiseMaskServer:
             return moved
 
         workers = 1 if pool is None else max(1, min(workers, len(members)))
-        if workers == 1:
+        if pool is None or workers == 1:
             moved = upload_some()
         else:
             tasks = [pool.submit(upload_some) for _ in range(workers)]
@@ -230,7 +231,7 @@ class PairwiseMaskAggregator(SecureAggregator):
         self._spare: list[torch.Tensor] = []
         # The release policy lives with the clients: each member consults the same record of
         # what this round has released (a client-side ledger), not the server.
-        self._client_policy = None
+        self._client_policy: SessionLedgers | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pool_workers = 0
 
@@ -300,6 +301,7 @@ class PairwiseMaskAggregator(SecureAggregator):
         if workers > 1 and self._pool_workers != workers:
             self._pool = ThreadPoolExecutor(workers, thread_name_prefix="fedattr-sa")
             self._pool_workers = workers
+        assert self.round is not None  # _authorize refused a query outside an open round
         ring_sum, moved = self.server.run_query(
             self.round,
             query_id,

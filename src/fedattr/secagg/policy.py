@@ -82,7 +82,7 @@ class ReleasePolicy:
     def check(self, coefficients: Mapping[int, float]) -> None:
         """Raise :class:`QueryRefused` if releasing this combination breaks the policy."""
         after = self.leakage_if(coefficients)
-        worst = max(after, key=after.get)
+        worst = max(after, key=after.__getitem__)
         if math.isinf(after[worst]):
             raise QueryRefused(
                 f"query refused by the release policy: with it, client {worst}'s update would be "

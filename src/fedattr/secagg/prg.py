@@ -53,12 +53,12 @@ def expand(seed: bytes, count: int, dtype: type[np.integer], prg: str = "chacha2
     done = 0
     while done < nbytes:
         step = min(_CHUNK, nbytes - done)
-        enc.update_into(zeros[:step], out[done : done + step + 15])
+        enc.update_into(zeros[:step], out[done : done + step + 15])  # type: ignore[arg-type]
         done += step
     return out[:nbytes].view(dtype)
 
 
-_NUMPY_RING = {torch.int32: np.int32, torch.int64: np.int64}
+_NUMPY_RING: dict[torch.dtype, type[np.integer]] = {torch.int32: np.int32, torch.int64: np.int64}
 
 
 def masked(
@@ -89,8 +89,8 @@ def masked(
         raise SecAggError("masked: out must be a contiguous tensor like base")
     if base.device.type != "cpu" or not _OPENSSL_ON_CPU:
         y = torch.mul(base, coefficient, out=out) if out is not None else base * coefficient
-        for sign, mask in zip(signs, masks(seeds, y.numel(), y.dtype, prg, y.device), strict=True):
-            y.add_(mask, alpha=sign)
+        for sign, m in zip(signs, masks(seeds, y.numel(), y.dtype, prg, y.device), strict=True):
+            y.add_(m, alpha=sign)
         return y
     np_dtype = _NUMPY_RING[base.dtype]
     source = base.contiguous().numpy()
@@ -112,7 +112,7 @@ def masked(
         for sign, enc in zip(signs, encryptors, strict=True):
             # One encryptor per seed continues its keystream across slices: the bytes are
             # those :func:`expand` would give for the whole vector.
-            enc.update_into(zeros[:nbytes], buffer[: nbytes + 15])
+            enc.update_into(zeros[:nbytes], buffer[: nbytes + 15])  # type: ignore[arg-type]
             (np.add if sign > 0 else np.subtract)(part, mask[: part.size], out=part)
     return y
 

@@ -291,9 +291,10 @@ class RemoteMaskingServer(SecureAggregator):
         # needs all rows); otherwise only members are asked.
         pool = self._submitted if self._policy is not None else set(involved)
         recipients = sorted(c for c in pool if c not in self._offline)
+        assert self._round is not None  # _authorize refused a query outside an open round
         batch = QueryBatch(
             self._round, list(queries), {c: self.public_keys[c] for c in involved}
-        )  # type: ignore[arg-type]
+        )
         replies = self.transport.ask(batch, recipients) if recipients else {}
         self.exchanges += 1
         for c in recipients:
@@ -318,7 +319,7 @@ class RemoteMaskingServer(SecureAggregator):
             total = torch.from_numpy(np.array(uploads[0], dtype=self._ring_dtype()))
             for u in uploads[1:]:
                 total += torch.from_numpy(np.asarray(u, dtype=self._ring_dtype()))
-            moved = sum(int(u.nbytes) for u in uploads)  # type: ignore[union-attr]
+            moved = sum(int(u.nbytes) for u in uploads if u is not None)  # none is, here
             moved += _KEY_BYTES * len(q.members) * (len(q.members) - 1)  # keys relayed
             client_max = max(replies[m].seconds.get(q.query_id, 0.0) for m in q.members)
             out[q.query_id] = _Outcome(total, moved=moved, client_max=client_max)
@@ -412,12 +413,12 @@ class RemoteMaskingServer(SecureAggregator):
                 except QueryRefused as exc:
                     answer.error = str(exc)
                     break
-                assert outcome.total is not None
+                assert outcome.total is not None and self._round is not None
                 results.append(self.codec.decode(outcome.total) / denominator)
                 self.log.append(QueryRecord(
                     self._round, q.query_id, q.members, outcome.moved, share, outcome.client_max,
                     q.coefficients, denominator, q.session,
-                ))  # type: ignore[arg-type]  # fmt: skip
+                ))  # fmt: skip
             if answer.chosen is not None and len(results) == len(planned):
                 answer.results = results
             else:
