@@ -1,0 +1,87 @@
+"""The documentation: generated reference pages up to date, every relative link resolving, the
+README short and in step with CI, and the library example runnable."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from fedattr.reporting import reference
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+_CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def _targets(text: str) -> list[str]:
+    """Link and image targets outside code blocks and code spans."""
+    text = _CODE_SPAN.sub("", _FENCE.sub("", text))
+    return _LINK.findall(text)
+
+
+@pytest.mark.parametrize("name", sorted(reference.pages()))
+def test_reference_pages_are_up_to_date(name: str) -> None:
+    path = DOCS / "reference" / name
+    expected = reference.pages()[name]
+    assert path.is_file(), f"{path} is missing: run `{reference.REGENERATE}`"
+    assert path.read_text(encoding="utf-8") == expected, (
+        f"{path.relative_to(ROOT)} differs from what the code generates: run "
+        f"`{reference.REGENERATE}` from the repository root"
+    )
+
+
+def test_every_relative_link_resolves() -> None:
+    broken = []
+    for page in _pages():
+        for target in _targets(page.read_text(encoding="utf-8")):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # an absolute URL (https:, mailto:) or an anchor on the same page
+            path = target.split("#", 1)[0].split("?", 1)[0]
+            if not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, "links to missing files:\n" + "\n".join(broken)
+
+
+def test_link_check_sees_links() -> None:
+    """The checker finds links and images, and skips code."""
+    text = "[a](x.md) ![b](img/y.png) [c](z.md#part) `[d](no.md)`\n```\n[e](no.md)\n```\n"
+    assert _targets(text) == ["x.md", "img/y.png", "z.md#part"]
+
+
+def test_readme_is_a_front_door() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, (
+        f"README.md has {len(lines)} lines; keep it to 250 (move detail to docs/)"
+    )
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    start = next(i for i, line in enumerate(ci) if "command 2" in line) + 1
+    lines = [ci[start]]
+    while lines[-1].rstrip().endswith("\\"):  # a command continued on the next line
+        lines.append(ci[start + len(lines)])
+    command = " ".join(" ".join(line.rstrip().rstrip("\\").split()) for line in lines)
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert command in readme, (
+        "README's test command (Set-up, command 2) must be the command .ci/run runs: " + command
+    )
+
+
+def test_library_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    text = (DOCS / "getting-started.md").read_text(encoding="utf-8")
+    section = text.split("## As a library", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code, "docs/getting-started.md: no python example under 'As a library'"
+    exec(compile(code.group(1), "getting-started.md", "exec"), {"__name__": "docs_example"})
+    out = capsys.readouterr().out
+    assert "| client |" in out and "**yes**" in out
