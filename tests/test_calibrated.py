@@ -187,3 +187,14 @@ def test_calibration_in_parallel_processes_gives_the_same_runs_and_family_wise_c
     cal = one["calibrated"]
     assert 0 <= cal["runs_naming_clean"] <= 6 and len(cal["runs_naming_clean_ci95"]) == 2
     assert main([*common, "--jobs", "0", "--out", str(tmp_path / "bad")]) == 2
+
+
+def test_hardened_rounds_keep_cross_talk_so_their_clients_are_not_named_by_default():
+    for ask in (False, True):
+        cfg = load(DemoConfig, None, [*REALISTIC, "synthetic.seed=0", "synthetic.r=3",
+                                      "synthetic.signal=6", "attribution.mode=hardened",
+                                      f"attribution.name_uncalibrated={str(ask).lower()}"])
+        rep = run_demo(cfg, progress=lambda _m: None).report
+        assert rep.cross_talk and all(not c.calibrated for c in rep.clients if c.id in
+                                      rep.cross_talk)  # fmt: skip
+        assert bool(rep.flagged) is ask

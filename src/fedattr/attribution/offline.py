@@ -83,7 +83,8 @@ def attribute_run(run_dir: str | Path) -> AttributionReport:
                                     f"target {x}; score the round again")  # fmt: skip
                 # Each owner reads its own texts: its changes are its own part.
                 null.add(t, int(x), {owner: changes[str(x)]}, {owner: s["targets"][str(x)]},
-                         {owner: law}, {owner: owner})  # fmt: skip
+                         {owner: law}, {owner: owner},
+                         decorrelated=null.decorrelated[t])  # fmt: skip
     truth = _truth(run)
     report = null.report(truth)
     _write(run, report, owners or [])

@@ -86,6 +86,9 @@ class AttributionReport:
     must fall below for the client to be named."""
     uncalibrated: list[str] = field(default_factory=list)
     """Calibrated statistic: owners whose p-values are not calibrated (FK)."""
+    cross_talk: list[int] = field(default_factory=list)
+    """Calibrated statistic: clients with a round whose cross-talk was kept (hardened mode):
+    their p-values are not calibrated either."""
 
     @property
     def flagged(self) -> list[int]:
@@ -115,6 +118,7 @@ class AttributionReport:
             "gamma": self.gamma,
             "level": self.level,
             "uncalibrated": self.uncalibrated,
+            "cross_talk": self.cross_talk,
             "tpr": self.tpr,
             "fpr": self.fpr,
             "flagged": self.flagged,

@@ -106,7 +106,10 @@ def load_tokenizer(cfg: ModelConfig, progress: Callable[[str], None] | None = No
 def load_model(cfg: ModelConfig, progress: Callable[[str], None] | None = None):
     """``(model, tokenizer)`` on the configured device, in eval mode, with a pad token set."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    # A run prints its own progress: transformers' "Loading weights" bars would interleave.
+    hf_logging.disable_progress_bar()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     source, kwargs = model_source(cfg, progress)

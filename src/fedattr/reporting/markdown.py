@@ -71,6 +71,13 @@ def attribution_table(report: AttributionReport) -> str:
             rule += f". Rank p: the same change read with {report.null_keys} random keys, a check"
             if floor >= (report.alpha or 0) / K:
                 rule += f" whose resolution ({floor:.3g}) cannot reach α/K"
+        if report.cross_talk:
+            rule += (
+                f". Not calibrated: clients {', '.join(map(str, report.cross_talk))}, whose "
+                "rounds kept cross-talk (hardened mode): their estimates carry α-weighted copies "
+                "of other clients' updates, watermarked ones included; reported, never named "
+                "unless attribution.name_uncalibrated = true"
+            )
         if report.uncalibrated:
             rule += (
                 f". Not calibrated: {', '.join(report.uncalibrated)} (a key the reference model "
