@@ -188,6 +188,7 @@ def test_threads_follow_fedattr_threads(monkeypatch):
         monkeypatch.setattr(runtime, "busy_cpus", lambda: 3)
         n, note = set_threads()
         assert n == 1 == torch.get_num_threads() and "busy" in note and "FEDATTR_THREADS" in note
+        assert runtime.take_note() == note and runtime.take_note() is None  # shown once
         monkeypatch.setattr(runtime, "busy_cpus", lambda: 9)
         assert set_threads()[0] == 1
         monkeypatch.setattr(runtime, "busy_cpus", lambda: 0)

@@ -194,10 +194,13 @@ def test_paper_mode_with_fused_queries_gives_the_same_attribution(tmp_path):
 
 
 def test_hardened_mode_reaches_full_attribution_with_more_rounds():
+    # Its rounds keep cross-talk, so its p-values are uncalibrated: they name a client only
+    # when asked to (attribution.name_uncalibrated).
     cfg = DemoConfig(
         synthetic=SyntheticConfig(rounds=20),
-        attribution=AttributionConfig(mode="hardened"),
+        attribution=AttributionConfig(mode="hardened", name_uncalibrated=True),
     )
     rep = run_demo(cfg, **QUIET).report
     assert rep.tpr == 1.0 and rep.fpr == 0.0
+    assert not any(c.calibrated for c in rep.clients) and rep.cross_talk
     assert audit_queries([]) == []

@@ -935,9 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command in ("run", "experiment", "demo-protocol", "bench", "flower", "owner",
                             "attribute"):
-            _, note = set_threads()
-            if note:
-                print(f"fedattr: {note}", file=sys.stderr)
+            set_threads()  # a busy machine's note is shown when a run starts work
         return args.func(args)
     except UserError as exc:
         print(f"fedattr: error: {exc}", file=sys.stderr)

@@ -65,6 +65,15 @@ def default_threads() -> tuple[int, str | None]:
     return free, note
 
 
+_NOTE: list[str] = []
+
+
+def take_note() -> str | None:
+    """The busy-machine note of the last :func:`set_threads`, once (a run shows it when it
+    starts work, after its inputs were checked: a refusal stays one line)."""
+    return _NOTE.pop() if _NOTE else None
+
+
 def set_threads() -> tuple[int, str | None]:
     """Set torch's intra-op threads to ``FEDATTR_THREADS`` or :func:`default_threads`;
     returns the count and the note to show (``None``: nothing to say).
@@ -87,4 +96,7 @@ def set_threads() -> tuple[int, str | None]:
     else:
         n, note = default_threads()
     torch.set_num_threads(n)
+    _NOTE.clear()
+    if note:
+        _NOTE.append(note)
     return n, note

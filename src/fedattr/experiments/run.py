@@ -41,6 +41,7 @@ from ..models.lora import attach_lora, candidate_stacker, load_state
 from ..models.text import encode_examples
 from ..reporting.markdown import attribution_table, baselines_table, stages_table, variants_table
 from ..reporting.run_folder import RunFolder
+from ..runtime import take_note
 from ..secagg import SecureAggregator, make_aggregator
 from ..watermarks.registry import WATERMARKS
 from .config import DemoConfig, RunConfig
@@ -264,6 +265,9 @@ def run_experiment(
     still builds the federation for its ground truth, the owners' keys and detection data.
     """
     say = Progress(progress)
+    note = take_note()
+    if note:
+        say(note)
     timing = Stopwatch(("load_s", "teacher_s", "train_s", "sa_s", "scoring_s"))
     saved = folder.load_checkpoint() if folder is not None else None
     with timing.measure("load_s"):
