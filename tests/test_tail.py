@@ -108,3 +108,32 @@ def test_random_values_and_descriptions():
         assert vals[1] == pytest.approx(2 * vals[0])  # the same keys read every client
         assert vals[0].var() == pytest.approx(law.variance(W), rel=0.25)
         assert law_from_dict(law.describe()).describe() == law.describe()
+
+
+def test_edges_of_the_support_are_valid_and_do_not_crash():
+    # The owner's value at the very top (every row's largest column), a hair above by rounding.
+    rng = np.random.default_rng(12)
+    W = _centred(rng.normal(size=(4, 8)))
+    W[:, 0] = W.max(axis=1) + 1.0
+    W = _centred(W)
+    top = float(W[:, 0].sum())
+    tail = RowSubsets(1, 8).tail(torch.tensor(W), top * (1 + 1e-7))
+    assert tail.method == "exact" and tail.p == pytest.approx(8.0**-4)
+    # Too many combinations to enumerate: at the top the saddlepoint may not claim less than
+    # the top's own probability.
+    W8 = _centred(rng.normal(size=(8, 8)))
+    W8[:, 0] = W8.max(axis=1) + 1.0
+    W8 = _centred(W8)
+    wide = RowSubsets(1, 8).tail(torch.tensor(W8), float(W8[:, 0].sum()))
+    assert wide.log10_p >= -8 * math.log10(8) - 1e-9
+    # One dominant cell per row (few effective cells): the verdict's tail is not below the
+    # fixed-size lists' exact probability gamma^rows of the owner's own value.
+    rows, V, m = 12, 64, 32
+    Wd = np.zeros((rows, V))
+    Wd[:, 0] = 1.0
+    Wd = _centred(Wd)
+    own = float(sum(Wd[r, 0] + (m - 1) * Wd[r, 1] for r in range(rows)))
+    tail = RowSubsets(m, V).tail(torch.tensor(Wd), own)
+    assert tail.p >= 0.5**rows
+    # No change at all: p = 1.
+    assert RowSubsets(4, 16).tail(torch.zeros(3, 16), 0.0).p == 1.0

@@ -245,6 +245,9 @@ class CalibratedNull:
             self.cross_talk.add(target)
         acc = self.W.setdefault(target, {})
         for part, c in parts.items():
+            # On the CPU, in float64: a checkpoint loads on any machine, and the sum over rounds
+            # matches the owners' values (summed in float64) to the last digits.
+            c = c.detach().to("cpu", torch.float64)
             acc[part] = acc[part] + c if part in acc else c.clone()
         sums = self.values.setdefault(target, {})
         for owner, value in values.items():
