@@ -47,6 +47,60 @@ def tiny_cache(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def micro(tiny_cache):
+    """The session's micro tiny model: its folder, model and tokenizer, loaded afresh for each
+    test module (a module's tests may attach adapters to it)."""
+    from fedattr.models.config import ModelConfig, TinyModelConfig
+    from fedattr.models.loading import load_model
+    from fedattr.models.tiny import ensure_tiny
+
+    path = ensure_tiny(TinyModelConfig(**MICRO_TINY), tiny_cache)
+    model, tokenizer = load_model(ModelConfig(preset="hf", name_or_path=str(path), device="cpu"))
+    return path, model, tokenizer
+
+
+def fixed_key(n: int, **params):
+    """A KGW key with a fixed secret: statistical assertions must not depend on a fresh draw
+    (``generate_key`` takes 256 bits from the OS every run)."""
+    from fedattr.watermarks.keys import OwnerKey
+
+    return OwnerKey("kgw", f"{n:064x}", **params)
+
+
+@pytest.fixture(scope="session")
+def markllm_target(tmp_path_factory):
+    """A folder holding MarkLLM 0.1.5 (no dependencies), installed once per session; the tests
+    that need it are skipped, with the reason, where it cannot be installed."""
+    import subprocess
+    import sys
+
+    target = tmp_path_factory.mktemp("markllm")
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                        "--target", str(target), "markllm==0.1.5"],
+                       check=True, capture_output=True, timeout=180)  # fmt: skip
+    except (subprocess.SubprocessError, OSError) as exc:
+        pytest.skip(f"markllm could not be installed here: {exc}")
+    return target
+
+
+def import_markllm(target, module: str, *names: str) -> list:
+    """``names`` from MarkLLM's ``module`` installed in ``target`` (skip where it does not
+    import)."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(target))
+    try:
+        mod = importlib.import_module(module)
+        return [getattr(mod, n) for n in names] if names else [mod]
+    except ImportError as exc:
+        pytest.skip(f"markllm's {module} does not import: {exc}")
+    finally:
+        sys.path.remove(str(target))
+
+
 def small_overrides(tiny_cache, *extra):
     """`--set` overrides for a micro run (K=4, T=2) on the session's micro tiny model."""
     tiny = [f"model.tiny.{k}={v}" for k, v in MICRO_TINY.items()]

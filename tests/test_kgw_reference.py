@@ -5,12 +5,11 @@ Known answers were printed by the reference code itself (lm-watermarking's
 ``KGWUtils``), V = 1000, gamma = 0.25, hash key 15485863, torch 2.13 CPU, 2026-11-23. Where
 MarkLLM installs (``pip install --no-deps --target``), the whole vocabulary is compared too."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from conftest import import_markllm
 from fedattr.watermarks.keys import generate_key
 from fedattr.watermarks.kgw import KGWDetector, LMWatermarkingScheme, MarkLLMScheme
 
@@ -54,23 +53,12 @@ def test_the_two_references_differ_and_keys_pick_them():
 
 
 @pytest.fixture(scope="module")
-def markllm(tmp_path_factory):
-    target = tmp_path_factory.mktemp("markllm")
-    try:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                        "--target", str(target), "markllm==0.1.5"],
-                       check=True, capture_output=True, timeout=180)  # fmt: skip
-    except (subprocess.SubprocessError, OSError) as exc:
-        pytest.skip(f"markllm could not be installed here: {exc}")
-    sys.path.insert(0, str(target))
-    try:
-        from markllm.utils.transformers_config import TransformersConfig
-        from markllm.watermark.kgw.kgw import KGWConfig, KGWUtils
-    except ImportError as exc:
-        pytest.skip(f"markllm's KGW module does not import: {exc}")
-    finally:
-        sys.path.remove(str(target))
-    return target, KGWConfig, KGWUtils, TransformersConfig
+def markllm(markllm_target):
+    (config,) = import_markllm(markllm_target, "markllm.utils.transformers_config",
+                               "TransformersConfig")  # fmt: skip
+    kgw_config, utils = import_markllm(markllm_target, "markllm.watermark.kgw.kgw",
+                                       "KGWConfig", "KGWUtils")  # fmt: skip
+    return markllm_target, kgw_config, utils, config
 
 
 def test_every_green_list_matches_installed_markllm(markllm, tmp_path):

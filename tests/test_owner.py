@@ -9,29 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import MICRO_TINY
+from conftest import fixed_key
 from fedattr.cli import main
 from fedattr.errors import UserError
 from fedattr.owner.corpus import fk_documents, read_rows, watermark_kgw, write_rows
-from fedattr.watermarks.keys import KeyFileError, OwnerKey, generate_key, load_key, save_key
-
-
-@pytest.fixture(scope="module")
-def micro(tiny_cache):
-    """The session's micro tiny model: its folder, model and tokenizer."""
-    from fedattr.models.config import ModelConfig, TinyModelConfig
-    from fedattr.models.loading import load_model
-    from fedattr.models.tiny import ensure_tiny
-
-    path = ensure_tiny(TinyModelConfig(**MICRO_TINY), tiny_cache)
-    model, tokenizer = load_model(ModelConfig(preset="hf", name_or_path=str(path), device="cpu"))
-    return path, model, tokenizer
-
-
-def _fixed_key(n: int, **params) -> OwnerKey:
-    """A KGW key with a fixed secret: statistical assertions must not depend on a fresh draw
-    (``generate_key`` takes 256 bits from the OS every run)."""
-    return OwnerKey("kgw", f"{n:064x}", **params)
+from fedattr.watermarks.keys import KeyFileError, generate_key, load_key, save_key
 
 
 def _corpus(tmp_path, n=12, chat=False):
@@ -113,7 +95,7 @@ def test_fk_documents_come_from_the_key(tmp_path):
 def test_watermarking_a_corpus_keeps_its_form_and_carries_the_key(micro, tmp_path, chat):
     _, model, tokenizer = micro
     rows = read_rows(_corpus(tmp_path, chat=chat))
-    key = _fixed_key(1, delta=6.0)
+    key = fixed_key(1, delta=6.0)
     out = tmp_path / "wm.jsonl"
     report = watermark_kgw(key, rows, model, tokenizer, out, model_name="micro", chunk=5,
                            max_new_tokens=24, min_tokens=4)  # fmt: skip
@@ -134,7 +116,7 @@ def test_a_killed_watermarking_job_resumes_to_the_same_corpus(micro, tmp_path, m
 
     _, model, tokenizer = micro
     rows = read_rows(_corpus(tmp_path, n=10))
-    key = _fixed_key(1, delta=6.0)
+    key = fixed_key(1, delta=6.0)
     settings = dict(model_name="micro", chunk=4, max_new_tokens=16, min_tokens=2)
     watermark_kgw(key, rows, model, tokenizer, tmp_path / "whole.jsonl", **settings)
 
@@ -184,7 +166,7 @@ def test_detect_finds_the_key_in_a_radioactive_model_and_not_another(micro):
     from fedattr.owner.detect import detect_kgw
 
     _, model, tokenizer = micro
-    key, other = _fixed_key(2), _fixed_key(3)
+    key, other = fixed_key(2), fixed_key(3)
     texts = generate_corpus(32, seed=77)
     tuned = _GreenBiased(model, key.kgw_scheme(len(tokenizer)), 0.3)
     found = detect_kgw(key, tuned, tokenizer, texts, reference=model, detectors=["reading"],
@@ -250,7 +232,7 @@ def test_a_lora_model_read_against_its_own_base_equals_an_explicit_reference(mic
     load_state(tuned, {k: v + 0.2 * torch.randn(v.shape, generator=gen)
                        for k, v in adapter_state(tuned).items()})  # fmt: skip
     texts = generate_corpus(12, seed=13)
-    key = _fixed_key(4)
+    key = fixed_key(4)
     own = detect_kgw(key, tuned, tokenizer, texts, lora=True, detectors=["reading"],
                      null_keys=30)["reading"]  # fmt: skip
     explicit = detect_kgw(key, tuned, tokenizer, texts, reference=base, detectors=["reading"],

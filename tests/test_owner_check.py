@@ -6,8 +6,6 @@ import io
 import itertools
 import json
 import math
-import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
@@ -15,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import binom, hypergeom, kstest
 
-from conftest import MICRO_TINY
+from conftest import fixed_key, import_markllm
 from fedattr.cli import build_parser, main
 from fedattr.owner.check import (
     Document,
@@ -27,23 +25,6 @@ from fedattr.owner.check import (
 from fedattr.watermarks.keys import OwnerKey, generate_key, save_key
 
 HASH = 15485863
-
-
-@pytest.fixture(scope="module")
-def micro(tiny_cache):
-    """The session's micro tiny model: its folder, model and tokenizer."""
-    from fedattr.models.config import ModelConfig, TinyModelConfig
-    from fedattr.models.loading import load_model
-    from fedattr.models.tiny import ensure_tiny
-
-    path = ensure_tiny(TinyModelConfig(**MICRO_TINY), tiny_cache)
-    model, tokenizer = load_model(ModelConfig(preset="hf", name_or_path=str(path), device="cpu"))
-    return path, model, tokenizer
-
-
-def _key(n: int, **params) -> OwnerKey:
-    """A KGW key with a fixed secret (statistical assertions must not depend on a draw)."""
-    return OwnerKey("kgw", f"{n:064x}", **params)
 
 
 def _jsonl(path, rows):
@@ -102,7 +83,7 @@ def test_check_agrees_with_the_watermark_report(micro, tmp_path, capsys):
         {"instruction": r.instruction, "input": r.input, "output": r.output}
         for r in generate_corpus(10, seed=3)
     ])  # fmt: skip
-    key = _key(1, delta=6.0)
+    key = fixed_key(1, delta=6.0)
     key_file = save_key(key, tmp_path / "owner.key")
     wm = tmp_path / "wm.jsonl"
     report = watermark_kgw(key, read_rows(corpus), model, tokenizer, wm, model_name=str(path),
@@ -133,14 +114,14 @@ def test_every_seeding_scheme_is_found_and_no_other_key(micro, scheme):
 
     _, model, tokenizer = micro
     hash_key = None if scheme == "fedattr" else HASH
-    key = _key(5, scheme=scheme, hash_key=hash_key, delta=4.0)
+    key = fixed_key(5, scheme=scheme, hash_key=hash_key, delta=4.0)
     records = watermark_records(model, tokenizer, generate_corpus(6, seed=9),
                                 key.kgw_scheme(len(tokenizer)), max_new_tokens=40,
                                 min_tokens=4, seed=1)  # fmt: skip
     docs = [Document(f"doc {i}", (r.output,)) for i, r in enumerate(records)]
     found = check_documents(key, tokenizer, docs)
     assert found.total.log10_p < -6 and found.scheme == scheme
-    other = _key(6) if scheme != "fedattr" else _key(6, scheme="markllm", hash_key=7)
+    other = fixed_key(6) if scheme != "fedattr" else fixed_key(6, scheme="markllm", hash_key=7)
     assert check_documents(other, tokenizer, docs).total.log10_p > -2
 
 
@@ -153,7 +134,7 @@ def test_unwatermarked_documents_give_uniform_p_values(micro):
     rng = np.random.default_rng(7)
     binomial, fixed, plain = [], [], []
     for i, r in enumerate(generate_corpus(240, seed=21)):
-        report = check_documents(_key(1000 + i), tokenizer, [Document("d", (r.output,))])
+        report = check_documents(fixed_key(1000 + i), tokenizer, [Document("d", (r.output,))])
         d, q = report.total, report.green_size / report.vocab_size
         u = rng.random()
         binomial.append(binom.sf(d.green, d.scored, q) + u * binom.pmf(d.green, d.scored, q))
@@ -178,24 +159,12 @@ def _contexts(tokenizer, text):
 
 
 @pytest.fixture(scope="module")
-def markllm_kgw(tmp_path_factory):
-    """MarkLLM 0.1.5's KGW module, installed as tests/test_kgw_reference.py installs it."""
-    target = tmp_path_factory.mktemp("markllm")
-    try:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                        "--target", str(target), "markllm==0.1.5"],
-                       check=True, capture_output=True, timeout=180)  # fmt: skip
-    except (subprocess.SubprocessError, OSError) as exc:
-        pytest.skip(f"markllm could not be installed here: {exc}")
-    sys.path.insert(0, str(target))
-    try:
-        from markllm.utils.transformers_config import TransformersConfig
-        from markllm.watermark.kgw import kgw
-    except ImportError as exc:
-        pytest.skip(f"markllm's KGW module does not import: {exc}")
-    finally:
-        sys.path.remove(str(target))
-    return target, kgw, TransformersConfig
+def markllm_kgw(markllm_target):
+    """MarkLLM 0.1.5's KGW module (installed once per session, as for the reference test)."""
+    (config,) = import_markllm(markllm_target, "markllm.utils.transformers_config",
+                               "TransformersConfig")  # fmt: skip
+    (kgw,) = import_markllm(markllm_target, "markllm.watermark.kgw", "kgw")
+    return markllm_target, kgw, config
 
 
 def test_check_equals_markllms_detector_on_markllms_watermarked_text(micro, markllm_kgw,
