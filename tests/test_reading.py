@@ -139,8 +139,7 @@ def test_key_statistics_are_the_contrast_numerator_and_a_key_randomised_null(rea
     assert 1 <= scorer.effective_contexts(ref, cand) <= len(scorer.contexts)
 
 
-def test_null_keys_batched_cached_and_streamed_agree(reading_setup, monkeypatch):
-    from fedattr.watermarks import nullkeys
+def test_null_keys_batched_cached_and_streamed_agree(reading_setup):
     from fedattr.watermarks.nullkeys import RandomGreenLists
 
     model, tok, texts = reading_setup
@@ -181,23 +180,6 @@ def test_null_keys_batched_cached_and_streamed_agree(reading_setup, monkeypatch)
     assert torch.all((share - 0.25).abs() < 0.05)
     with pytest.raises(ValueError, match="changes"):
         redrawn.sums(changes[:, :-1])
-    # The keys' name: the same keys give the same name however they are drawn and kept (what
-    # a resumed run checks against its checkpoint); other keys another name.
-    fresh = RandomGreenLists(40, 3, cells, 0.25)
-    assert fresh.identity is None  # nothing drawn yet
-    fresh.sums(changes)
-    assert fresh.identity == redrawn.identity == blocked.identity == as_bools.identity
-    assert scorer.null_identity() == fresh.identity  # the scorer's keys of (40, seed=3)
-    other = RandomGreenLists(40, 4, cells, 0.25, cache_bytes=0)
-    other.sums(changes)
-    assert other.identity not in (None, fresh.identity)
-    # Other keys under the same (n, seed, cells, gamma), as another device's generator draws:
-    # here 8 keys per generator instead of 16. The name is of the keys, not the settings.
-    named = fresh.identity
-    monkeypatch.setattr(nullkeys, "_CHUNK", 8)
-    elsewhere = RandomGreenLists(40, 3, cells, 0.25)
-    elsewhere.sums(changes)
-    assert elsewhere.identity not in (None, named)
 
 
 @pytest.mark.parametrize("space", ["fedit", "flora"])

@@ -13,17 +13,13 @@ and variance ``gamma (1 - gamma) sum D^2``; an owner's fixed-size KGW list gives
 ``V / (V - 1)`` (1.0005 at V = 2,048), far below the resolution of any p-value reported.
 
 The masks come from a seeded generator on the change's device, one generator per chunk of
-keys, so the same ``(n, seed)`` gives the same keys in every round (the calibrated statistic
-sums each null key over rounds) whether or not they are cached. CPU and CUDA generators draw
-different streams: the keys, and so the last digits of a p-value, depend on the device (and on
-a CUDA device, on the GPU and the draw's shape). :attr:`RandomGreenLists.identity` names the keys
-actually drawn, so a run resumed elsewhere is not summed over other keys than its first rounds.
+keys, so the same ``(n, seed)`` gives the same keys whenever they are drawn, whether or not they
+are cached. CPU and CUDA generators draw different streams: the keys depend on the device (and
+on a CUDA device, on the GPU and the draw's shape).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,20 +68,6 @@ class RandomGreenLists:
         self._dtype = torch.float32 if 4 * n * cells <= cache_bytes else torch.bool
         self._cached = n * cells * self._dtype.itemsize <= cache_bytes
         self._masks: list[torch.Tensor] = []
-        self._counts: dict[int, list[int]] = {}  # chunk -> each key's green cells, once drawn
-
-    @property
-    def identity(self) -> str | None:
-        """A short name of the keys drawn (a hash of every key's number of green cells, exact
-        integers), or ``None`` before :meth:`sums` has drawn them all: equal for the same keys
-        on any device; other keys (another generator, device or draw shape) differ in some
-        key's count with overwhelming probability."""
-        chunks = (self.n + _CHUNK - 1) // _CHUNK
-        if len(self._counts) < chunks:
-            return None
-        counts = [c for index in range(chunks) for c in self._counts[index]]
-        blob = json.dumps([self.n, self.seed, self.cells, self.gamma, counts]).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
     def _chunk(self, index: int) -> torch.Tensor:
         """Masks ``[keys, cells]`` of chunk ``index`` (keys ``index*16 ...``), kept or drawn."""
@@ -106,15 +88,10 @@ class RandomGreenLists:
         keys = min(_CHUNK, self.n - index * _CHUNK)
         gen = torch.Generator(device=self.device)
         gen.manual_seed((self.seed * 1_000_003 + index) % (1 << 63))
-        counts: list[int] | None = [] if index not in self._counts else None
         for start in range(0, keys, self._rows):
             rows = min(self._rows, keys - start)
             block = torch.rand((rows, self.cells), generator=gen, device=self.device) < self.gamma
-            if counts is not None:  # the first draw of this chunk: its keys' identity
-                counts.extend(block.sum(1).tolist())
             yield block
-        if counts is not None:
-            self._counts[index] = counts
 
     def sums(self, changes: torch.Tensor) -> torch.Tensor:
         """``[batch, n]`` float64: each flat change (``[batch, cells]``) summed over every

@@ -288,11 +288,6 @@ class KGWReadingScorer:
             keys = self._null = RandomGreenLists(n, seed, cells, self._green_share, device)
         return keys
 
-    def null_identity(self) -> str | None:
-        """The name of the random keys last drawn (:attr:`RandomGreenLists.identity`): a
-        device's generator draws its own, so a run checks that all its rounds use the same."""
-        return None if self._null is None else self._null.identity
-
     def effective_contexts(self, reference: torch.Tensor, candidate: torch.Tensor) -> float:
         """How many contexts the change is spread over, ``(sum ||D[x]||^2)^2 / sum ||D[x]||^4``:
         the reading z's normal tail is trustworthy only when this is large."""

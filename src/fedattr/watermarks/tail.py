@@ -252,16 +252,11 @@ class RowSubsets:
 
     def random_values(self, Ws: list[torch.Tensor], n: int, seed: int) -> np.ndarray:
         if self.m == 1:
-            gen = np.random.default_rng([seed, 0x0F1])
-            out = np.zeros((len(Ws), n))
-            for k in range(n):
-                idx = None
-                for i, W in enumerate(Ws):
-                    w = W.double().reshape(-1, self.cols).cpu().numpy()
-                    if idx is None:
-                        idx = gen.integers(self.cols, size=len(w))
-                    out[i, k] = float(w[np.arange(len(w)), idx].sum())
-            return out
+            ws = [W.double().reshape(-1, self.cols).cpu().numpy() for W in Ws]
+            rows = np.arange(len(ws[0]))
+            # Key k: one column per row; the same keys read every W.
+            picks = np.random.default_rng([seed, 0x0F1]).integers(self.cols, size=(n, len(rows)))
+            return np.stack([w[rows, picks].sum(axis=1) for w in ws])
         from .nullkeys import RandomGreenLists
 
         flat = torch.stack([W.float().reshape(-1) for W in Ws])
