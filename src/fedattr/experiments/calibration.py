@@ -79,16 +79,20 @@ class CalibrationSpec:
         return load(RunConfig, self.config, sets)
 
 
-def _one_run(spec: CalibrationSpec, r: int, seed: int, folder: Path) -> str:
-    """Run (or keep) one (r, seed) in ``folder``; returns its folder name."""
+def _one_run(
+    spec: CalibrationSpec, r: int, seed: int, folder: Path,
+    progress: Callable[[str], None] | None = None,
+) -> bool:  # fmt: skip
+    """Run (or keep) one (r, seed) in ``folder``; ``progress`` hears an LLM run's steps.
+    Returns whether it was a synthetic run (quick: reported every 20)."""
     cfg = spec.run_config(r, seed)
     if isinstance(cfg, DemoConfig):
         run_folder = RunFolder(folder)
         if run_folder.claim(cfg, reuse=True) != "finished":
             run_demo(cfg, progress=lambda _m: None).write(run_folder)
-    else:
-        run_or_reuse(cfg, folder, lambda _m: None)
-    return folder.name
+        return True
+    run_or_reuse(cfg, folder, progress or (lambda _m: None))
+    return False
 
 
 def _one_thread() -> None:
@@ -110,24 +114,20 @@ def run_calibration(
         spec.run_config(r, seed)  # bad settings: one line before any run starts
     if spec.jobs == 1:
         for i, (r, seed) in enumerate(plan, 1):
-            cfg = spec.run_config(r, seed)
             folder = out / f"r{r}-seed{seed}"
-            if isinstance(cfg, DemoConfig):
-                _one_run(spec, r, seed, folder)
-            else:
-                run_or_reuse(cfg, folder, lambda m, i=i: say(f"[{i}/{len(plan)}] {m}"))
-            if i % 20 == 0 or i == len(plan) or not isinstance(cfg, DemoConfig):
+            quick = _one_run(spec, r, seed, folder, lambda m, i=i: say(f"[{i}/{len(plan)}] {m}"))
+            if i % 20 == 0 or i == len(plan) or not quick:
                 say(f"[{i}/{len(plan)}] {folder.name}: done")
     else:
         out.mkdir(parents=True, exist_ok=True)
         with ProcessPoolExecutor(spec.jobs, mp_context=get_context("spawn"),
                                  initializer=_one_thread) as pool:  # fmt: skip
-            futures = [pool.submit(_one_run, spec, r, seed, out / f"r{r}-seed{seed}")
-                       for r, seed in plan]  # fmt: skip
+            futures = {pool.submit(_one_run, spec, r, seed, out / f"r{r}-seed{seed}"):
+                       f"r{r}-seed{seed}" for r, seed in plan}  # fmt: skip
             for i, fut in enumerate(as_completed(futures), 1):
-                name = fut.result()
+                fut.result()
                 if i % 20 == 0 or i == len(plan):
-                    say(f"[{i}/{len(plan)}] {name}: done")
+                    say(f"[{i}/{len(plan)}] {futures[fut]}: done")
     results = {(r, seed): RunFolder(out / f"r{r}-seed{seed}").results() for r, seed in plan}
     summary = summarize(list(results.values()))
     summary.update(bed=spec.bed, seeds=list(spec.seeds), r=list(spec.r))
