@@ -11,8 +11,8 @@ from fedattr.attribution.scoring import DEFAULT_STATISTIC
 from fedattr.cli import main
 from fedattr.config import ConfigError, load
 from fedattr.errors import UserError
-from fedattr.experiments.config import DemoConfig, RunConfig
-from fedattr.experiments.run import run_demo
+from fedattr.pipeline.config import DemoConfig, RunConfig
+from fedattr.pipeline.run import run_demo
 
 PAPER = 'variants=[{"name": "paper", "statistic": "paper"}]'
 REALISTIC = ["synthetic.common=1.0", "synthetic.heterogeneity=0.5", "synthetic.dim=256",

@@ -4,7 +4,7 @@ import pytest
 
 from fedattr.cli import main
 from fedattr.config import ConfigError, apply_overrides, load
-from fedattr.experiments.config import DemoConfig
+from fedattr.pipeline.config import DemoConfig
 
 
 def test_load_toml_with_overrides(tmp_path):
@@ -99,7 +99,7 @@ def test_cli_bench_small(capsys):
 
 def test_setting_one_nested_key_keeps_the_parents_other_defaults():
     from fedattr.config import load
-    from fedattr.experiments.config import RunConfig
+    from fedattr.pipeline.config import RunConfig
 
     default = RunConfig().fl.train
     cfg = load(RunConfig, None, ["fl.train.lr=5e-4"])
@@ -108,7 +108,7 @@ def test_setting_one_nested_key_keeps_the_parents_other_defaults():
 
 
 def test_unknown_detector_is_named():
-    from fedattr.experiments.config import RunConfig, preset_overrides
+    from fedattr.pipeline.config import RunConfig, preset_overrides
 
     with pytest.raises(ConfigError, match=r"watermark\.detector: must be reading or greedy"):
         load(RunConfig, None, ["watermark.detector=magic"])
@@ -165,7 +165,7 @@ def test_help_tells_the_protocol_demo_from_the_default_run(capsys):
 
 
 def test_a_failed_demo_leaves_no_folder(tmp_path, monkeypatch):
-    from fedattr.experiments import run as run_module
+    from fedattr.pipeline import run as run_module
 
     def bug(cfg, progress=None):
         raise TypeError("a bug")

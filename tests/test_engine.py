@@ -10,9 +10,9 @@ from fedattr.attribution.audit import audit_queries
 from fedattr.attribution.observer import AttributionObserver
 from fedattr.cli import main
 from fedattr.errors import UserError
-from fedattr.experiments.config import DemoConfig
-from fedattr.experiments.run import run_demo
 from fedattr.fl import FedAvgServer, Progress, RoundEngine, SyntheticConfig, SyntheticPool
+from fedattr.pipeline.config import DemoConfig
+from fedattr.pipeline.run import run_demo
 from fedattr.secagg import SecAggConfig, make_aggregator
 
 QUIET = Progress(lambda _m: None)

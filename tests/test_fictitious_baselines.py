@@ -13,7 +13,7 @@ from fedattr.baselines import FLDetector, cluster_kmeans, gap_statistic, lbfgs_h
 from fedattr.cli import main
 from fedattr.config import load
 from fedattr.data.corpus import generate_corpus
-from fedattr.experiments.config import RunConfig
+from fedattr.pipeline.config import RunConfig
 from fedattr.watermarks.fictitious import (
     make_entities,
     qa_probes,
@@ -266,7 +266,7 @@ def test_fk_config_errors_name_the_parameter():
 
 @pytest.mark.parametrize("detector", ["reading", "greedy"])
 def test_fk_run_with_baselines(tiny_cache, detector):
-    from fedattr.experiments.run import run_experiment
+    from fedattr.pipeline.run import run_experiment
 
     statistic = "calibrated" if detector == "reading" else "paper"  # greedy: no random keys
     sets = _small(tiny_cache, "watermark.kind=fk", f"watermark.detector={detector}",
@@ -338,7 +338,7 @@ def test_thirty_entities_for_the_scalability_table():
         e.name for e in make_entities(30, 11, decoys=5)[:6]
     ]
     from fedattr.config import load
-    from fedattr.experiments.config import RunConfig
+    from fedattr.pipeline.config import RunConfig
 
     cfg = load(RunConfig, None, ["watermark.kind=fk", "fl.K=100", "watermark.r=30"])
     assert cfg.watermark.r == 30

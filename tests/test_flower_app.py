@@ -19,10 +19,10 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from conftest import small_overrides as _small  # noqa: E402
 from fedattr.config import load, to_dict  # noqa: E402
 from fedattr.errors import UserError  # noqa: E402
-from fedattr.experiments.config import DemoConfig, RunConfig  # noqa: E402
-from fedattr.experiments.run import run_demo, run_experiment  # noqa: E402
 from fedattr.flower.client_app import app as client_app  # noqa: E402
 from fedattr.flower.server_app import serve  # noqa: E402
+from fedattr.pipeline.config import DemoConfig, RunConfig  # noqa: E402
+from fedattr.pipeline.run import run_demo, run_experiment  # noqa: E402
 from fedattr.reporting.run_folder import RunFolder  # noqa: E402
 from fedattr.secagg import QueryRefused  # noqa: E402
 

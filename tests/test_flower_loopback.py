@@ -15,9 +15,9 @@ if shutil.which("flower-superlink", path=str(Path(sys.executable).parent)) is No
 
 from conftest import small_overrides as _small
 from fedattr.config import load, to_dict
-from fedattr.experiments.config import DemoConfig, RunConfig
-from fedattr.experiments.run import run_demo, run_experiment
 from fedattr.flower.launch import LoopbackFederation, run_loopback
+from fedattr.pipeline.config import DemoConfig, RunConfig
+from fedattr.pipeline.run import run_demo, run_experiment
 from fedattr.reporting.run_folder import RunFolder
 
 pytestmark = pytest.mark.flower

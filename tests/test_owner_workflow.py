@@ -124,12 +124,12 @@ def test_missing_or_altered_round_files_are_one_clear_line(tiny_cache, owner_fil
 
 
 def test_damaged_export_json_is_one_line_naming_the_file(tmp_path):
-    from fedattr.attribution.offline import _scores
-    from fedattr.owner.score import RoundFolderError, run_config_of
+    from fedattr.attribution.round_folder import RoundFolderError, read_scores
+    from fedattr.owner.score import run_config_of
 
     (tmp_path / "scores-abc.json").write_text("{not json")
     with pytest.raises(RoundFolderError, match=r"scores-abc\.json' is damaged"):
-        _scores(tmp_path, 1)
+        read_scores(tmp_path, 1)
     round_dir = tmp_path / "rounds" / "round-001"
     round_dir.mkdir(parents=True)
     (tmp_path / "rounds" / "run.json").write_text("[")

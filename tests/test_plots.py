@@ -246,8 +246,8 @@ def test_the_calibrated_plot_draws_the_verdict_that_results_json_states(tmp_path
 
     from fedattr.attribution.stouffer import AttributionReport, ClientAttribution
     from fedattr.config import load
-    from fedattr.experiments.config import DemoConfig
-    from fedattr.experiments.run import run_demo
+    from fedattr.pipeline.config import DemoConfig
+    from fedattr.pipeline.run import run_demo
     from fedattr.reporting.plots import build_attribution_figure
 
     cfg = load(DemoConfig, None, ["synthetic.dim=256", "secagg.backend=plaintext",

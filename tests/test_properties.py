@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from fedattr.attribution import DesignError, validate_parameters
 from fedattr.config import ConfigError, load
-from fedattr.experiments.config import DemoConfig
+from fedattr.pipeline.config import DemoConfig
 from fedattr.secagg import BACKENDS, QueryRefused, SecAggConfig, SecAggError, make_aggregator
 
 K = 7

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from fedattr.attribution import AttributionConfig, DesignError, FedAttr, LinearScorer
-from fedattr.experiments.config import DemoConfig
-from fedattr.experiments.run import run_demo
 from fedattr.fl.synthetic import SyntheticConfig
+from fedattr.pipeline.config import DemoConfig
+from fedattr.pipeline.run import run_demo
 from fedattr.secagg import SecAggConfig, make_aggregator
 
 QUIET = {"progress": lambda _m: None}

@@ -15,9 +15,9 @@ from fedattr.attribution import (
 from fedattr.attribution.audit import audit_queries
 from fedattr.attribution.design import DesignError
 from fedattr.cli import main
-from fedattr.experiments.config import DemoConfig
-from fedattr.experiments.run import run_demo
 from fedattr.fl.synthetic import SyntheticConfig
+from fedattr.pipeline.config import DemoConfig
+from fedattr.pipeline.run import run_demo
 from fedattr.reporting.run_folder import audit_run
 from fedattr.secagg import (
     BACKENDS,

@@ -5,8 +5,8 @@ import pytest
 from conftest import small_overrides as _small
 from fedattr.cli import main
 from fedattr.config import load, to_dict
-from fedattr.experiments.config import RunConfig
-from fedattr.experiments.run import run_experiment
+from fedattr.pipeline.config import RunConfig
+from fedattr.pipeline.run import run_experiment
 
 
 @pytest.mark.parametrize(
@@ -154,7 +154,7 @@ def test_overlapped_scoring_on_a_model_copy_gives_the_same_results(tiny_cache, t
 def test_a_failed_start_leaves_no_folder_to_block_the_corrected_run(tmp_path, monkeypatch,
                                                                      capsys):  # fmt: skip
     from fedattr.errors import UserError
-    from fedattr.experiments import run as run_module
+    from fedattr.pipeline import run as run_module
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "wrongfields.json").write_text(json.dumps([{"prompt": "a", "completion": "b"}]))

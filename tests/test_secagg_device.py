@@ -75,7 +75,7 @@ def test_loading_a_gpu_config_never_probes_the_hardware(monkeypatch, tmp_path):
     import json
 
     from fedattr.config import from_dict, load
-    from fedattr.experiments.config import DemoConfig, RunConfig
+    from fedattr.pipeline.config import DemoConfig, RunConfig
 
     def probe():
         raise AssertionError("loading a configuration probed the hardware")
@@ -127,7 +127,7 @@ def test_resuming_a_gpu_run_on_a_cpu_machine_is_refused_and_keeps_the_folder(
 ):
     from fedattr.cli import main
     from fedattr.config import from_dict, to_dict
-    from fedattr.experiments.config import RunConfig
+    from fedattr.pipeline.config import RunConfig
     from fedattr.reporting.run_folder import RunFolder
 
     folder = RunFolder(tmp_path / "run")

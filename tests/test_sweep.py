@@ -69,8 +69,8 @@ def test_micro_sweep_trains_once_per_training_point_and_resumes(tiny_cache, tmp_
 
 def test_named_tables_resolve_and_their_extra_columns():
     from fedattr.config import load
-    from fedattr.experiments.config import RunConfig
     from fedattr.experiments.tables import TABLES, table_spec
+    from fedattr.pipeline.config import RunConfig
 
     for name in TABLES:  # every preset builds valid configurations before any work
         spec = table_spec(name, [0])

@@ -16,8 +16,8 @@ from .runtime import set_threads
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .config import load, to_dict
-    from .experiments.config import DemoConfig
-    from .experiments.run import check_devices, run_demo
+    from .pipeline.config import DemoConfig
+    from .pipeline.run import check_devices, run_demo
     from .reporting.run_folder import RunFolder
 
     cfg = load(DemoConfig, args.config, args.set)
@@ -50,8 +50,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .config import from_dict, load, to_dict
-    from .experiments.config import RunConfig, preset_overrides
-    from .experiments.run import check_inputs, run_experiment
+    from .pipeline.config import RunConfig, preset_overrides
+    from .pipeline.run import check_inputs, run_experiment
     from .reporting.markdown import attribution_table
     from .reporting.run_folder import RunFolder
 
@@ -329,8 +329,8 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
 
     from .config import load
     from .experiments.bench import format_pipeline, pipeline_figures
-    from .experiments.config import RunConfig, preset_overrides
     from .experiments.main import run_or_reuse
+    from .pipeline.config import RunConfig, preset_overrides
 
     if args.rounds is not None and args.rounds < 1:
         raise UserError(f"--rounds: must be >= 1, got {args.rounds}")
@@ -352,7 +352,7 @@ def _cmd_bench_scoring(args: argparse.Namespace) -> int:
 
     from .config import load
     from .experiments.bench import bench_scoring, format_scoring
-    from .experiments.config import RunConfig, preset_overrides
+    from .pipeline.config import RunConfig, preset_overrides
 
     cfg = load(RunConfig, args.config, preset_overrides(args.preset) + args.set)
     say = lambda m: print(m, file=sys.stderr)  # noqa: E731
@@ -371,7 +371,7 @@ def _cmd_flower_local(args: argparse.Namespace) -> int:
     import time
 
     from .config import load, to_dict
-    from .experiments.config import DemoConfig, RunConfig, preset_overrides
+    from .pipeline.config import DemoConfig, RunConfig, preset_overrides
     from .reporting.run_folder import RunFolder
 
     if importlib.util.find_spec("flwr") is None:
@@ -415,7 +415,7 @@ def _cmd_flower_local(args: argparse.Namespace) -> int:
     from .flower.server_app import check_settings
 
     check_settings(cfg, command)
-    from .experiments.run import check_devices, check_inputs
+    from .pipeline.run import check_devices, check_inputs
 
     # Loopback: every node runs on this machine, so its hardware is the nodes' hardware.
     if command == "run":
@@ -632,8 +632,10 @@ def _cmd_owner_check(args: argparse.Namespace) -> int:
 def _cmd_attribute(args: argparse.Namespace) -> int:
     from .attribution.offline import attribute_run
     from .reporting.markdown import attribution_table
+    from .reporting.run_folder import RunFolder
 
-    report = attribute_run(args.run)
+    report, owners = attribute_run(args.run)
+    RunFolder(args.run, "RUN_DIR").write_owner_scored(report, owners)
     print(attribution_table(report))
     print(f"wrote {args.run}/results.json, attribution.json, report.md", file=sys.stderr)
     return 0

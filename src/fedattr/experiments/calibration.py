@@ -29,12 +29,12 @@ from scipy.stats import beta, binom, norm
 
 from ..config import load
 from ..errors import UserError
+from ..pipeline.config import PRESET_OVERRIDES, DemoConfig, RunConfig, check_seeds
+from ..pipeline.run import run_demo
 from ..reporting.markdown import table
 from ..reporting.run_folder import RunFolder
 from ..watermarks.tail import MIN_EFFECTIVE_CELLS
-from .config import PRESET_OVERRIDES, DemoConfig, RunConfig, check_seeds
 from .main import run_or_reuse
-from .run import run_demo
 
 BEDS: dict[str, list[str]] = {
     "synthetic": ["synthetic.common=1.0", "synthetic.heterogeneity=0.5"],

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from ..config import load
 from ..errors import UserError
+from ..pipeline.config import PRESET_OVERRIDES, RunConfig, check_seeds
+from ..pipeline.run import RunResult, check_inputs, run_experiment
 from ..reporting.markdown import table
 from ..reporting.run_folder import RunFolder
-from .config import PRESET_OVERRIDES, RunConfig, check_seeds
-from .run import RunResult, check_inputs, run_experiment
 
 SETTINGS: tuple[tuple[str, str], ...] = (
     ("fedit", "kgw"),

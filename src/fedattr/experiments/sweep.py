@@ -21,9 +21,9 @@ from typing import Any
 
 from ..config import load, parse_scalar
 from ..errors import UserError
+from ..pipeline.config import RunConfig, check_seeds, preset_overrides
 from ..reporting.markdown import percent, table
 from ..reporting.run_folder import RunFolder
-from .config import RunConfig, check_seeds, preset_overrides
 from .main import run_or_reuse
 
 # Attribution keys a FedAttr observer can vary on one training run (its SA release policy, the

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from .config import RunConfig
+from ..pipeline.config import RunConfig
 from .sweep import Axis, SweepSpec
 
 

@@ -17,7 +17,7 @@ from . import COMMANDS
 
 def config_of(command: str, config_json: str) -> Any:
     """The typed configuration of ``command`` from its JSON form."""
-    from ..experiments.config import DemoConfig, RunConfig
+    from ..pipeline.config import DemoConfig, RunConfig
 
     if command not in COMMANDS:
         raise UserError(f"command: unknown {command!r}; allowed: {', '.join(COMMANDS)}")

@@ -43,7 +43,7 @@ PROGRESS_FILE = "progress.log"
 
 
 def _config(run_config: Mapping[str, Any], folder: RunFolder, command: str) -> Any:
-    from ..experiments.config import DemoConfig, RunConfig
+    from ..pipeline.config import DemoConfig, RunConfig
 
     path = run_config.get("config")
     if path:
@@ -83,7 +83,7 @@ def check_settings(cfg: Any, command: str) -> None:
 
 def serve(grid: Grid, run_config: Mapping[str, Any], say: Callable[[str], None] = print) -> Any:
     """Run the configured federation on the grid's SuperNodes; write and return its results."""
-    from ..experiments.run import run_demo, run_experiment
+    from ..pipeline.run import run_demo, run_experiment
 
     if not run_config.get("run-folder"):
         raise UserError("run-folder: required (--run-config \"run-folder='results/flower'\")")

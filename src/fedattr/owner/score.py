@@ -1,6 +1,6 @@
 """The owner's scoring step: each client's standardised change and its value under the key.
 
-For every round folder (see :mod:`fedattr.attribution.export`) the owner rebuilds the run's
+For every round folder (see :mod:`fedattr.attribution.round_folder`) the owner rebuilds the run's
 model from ``rounds/run.json``, reads the reference ``w^{t-1}``, each estimate applied to it and
 (where the round's cross-talk is not undone) the round's SA mean with its detector, and turns
 them into each target's standardised change exactly as a server that scores in process does
@@ -13,71 +13,31 @@ beyond the one number per estimate the verdict needs.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
+from ..attribution.round_folder import (
+    read_manifest,
+    read_round_tensors,
+    read_run,
+    write_scores,
+)
+from ..config import from_dict
 from ..errors import UserError
+from ..pipeline.config import RunConfig
 from ..watermarks.keys import OwnerKey
 
 Say = Callable[[str], None]
 
-SCORES_FORMAT = "fedattr-scores/2"
-
-
-class RoundFolderError(UserError):
-    """A round folder that is missing, incomplete or altered."""
-
-
-def read_json(path: Path) -> Any:
-    """A JSON file of a run's exports; a damaged one is one line naming it."""
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RoundFolderError(f"{str(path)!r} is damaged ({exc.msg})") from None
-
-
-def read_manifest(folder: Path) -> dict:
-    """A round folder's manifest, its tensor files checked against their digests."""
-    from ..attribution.export import ROUND_FORMAT, TENSOR_FILES
-
-    path = folder / "manifest.json"
-    if not path.is_file():
-        raise RoundFolderError(f"round folder {str(folder)!r}: no manifest.json (not a round "
-                               "folder, or its export did not finish)")  # fmt: skip
-    manifest = read_json(path)
-    if manifest.get("format") != ROUND_FORMAT:
-        raise RoundFolderError(f"{str(path)!r}: not a fedattr round manifest ({ROUND_FORMAT})")
-    for name in TENSOR_FILES:
-        if not (folder / name).is_file():
-            raise RoundFolderError(f"round folder {str(folder)!r}: {name} is missing")
-    for name in TENSOR_FILES:
-        file = folder / name
-        if hashlib.sha256(file.read_bytes()).hexdigest() != manifest["sha256"][name]:
-            raise RoundFolderError(f"round folder {str(folder)!r}: {name} does not match its "
-                                   "manifest digest (altered or truncated)")  # fmt: skip
-    return manifest
-
-
-def run_config_of(folder: Path) -> Any:
+def run_config_of(folder: Path) -> RunConfig:
     """The run's configuration (``rounds/run.json`` above the round folder)."""
-    from ..config import from_dict
-    from ..experiments.config import RunConfig
-
-    path = folder.parent / "run.json"
-    if not path.is_file():
-        raise RoundFolderError(f"{str(path)!r} is missing: the run's configuration comes with "
-                               "its round folders")  # fmt: skip
-    return from_dict(RunConfig, read_json(path))
+    return from_dict(RunConfig, read_run(folder))
 
 
 class OwnerScorer:
     """The owner's detector over one run's model: built once, scores many rounds."""
 
-    def __init__(self, key: OwnerKey, run_config: Any, texts: Sequence | None = None,
+    def __init__(self, key: OwnerKey, run_config: RunConfig, texts: Sequence | None = None,
                  say: Say | None = None) -> None:  # fmt: skip
         from ..fl.federation import detection_records
         from ..fl.registry import make_strategy
@@ -107,20 +67,13 @@ class OwnerScorer:
     def score(self, folder: str | Path, manifest: dict | None = None) -> Path:
         """Score one round folder (``manifest``: its :func:`read_manifest`, when the caller
         has already checked it); returns the scores file written there."""
-        from safetensors.torch import load_file, save_file
-
         from ..attribution.calibrated import cross_talk, standardise_round
-        from ..attribution.export import design_from_dict
+        from ..attribution.round_folder import design_from_dict
         from ..attribution.scoring import observe_all
 
         folder = Path(folder)
         manifest = manifest if manifest is not None else read_manifest(folder)
-        reference = load_file(str(folder / "reference.safetensors"))
-        flat = load_file(str(folder / "estimates.safetensors"))
-        updates = []
-        for target in manifest["targets"]:
-            prefix = f"{target}/"
-            updates.append({k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
+        reference, updates, center = read_round_tensors(folder, manifest)
         scorer = self.scorer
         # The SA mean's change serves only a round whose cross-talk is not undone (decided from
         # the same manifest and run configuration): otherwise its model is not read, as the
@@ -133,7 +86,6 @@ class OwnerScorer:
         ref_obs = scorer.observe(reference)
         observed = list(observe_all(scorer, (self.apply(reference, u) for u in updates)))
         if needs_center:
-            center = load_file(str(folder / "center.safetensors"))
             observed.append(scorer.observe(self.apply(reference, center)))
         changes = [scorer.change(ref_obs, o) for o in observed]
         middle = changes.pop() if needs_center else None
@@ -146,22 +98,11 @@ class OwnerScorer:
             values[str(target)] = scorer.owner_values("probes", parts["probes"])[self.name]
             tensors[str(target)] = parts["probes"].contiguous()
         out = {
-            "format": SCORES_FORMAT, "round": manifest["round"], "owner": self.name,
+            "round": manifest["round"], "owner": self.name,
             "fingerprint": self.key.fingerprint, "texts": scorer.positions,
             "targets": values, "law": laws["probes"].describe(), "decorrelated": not needs_center,
         }  # fmt: skip
-        _write_atomic(folder / f"changes-{self.key.fingerprint}.safetensors",
-                      lambda tmp: save_file(tensors, str(tmp)))  # fmt: skip
-        path = folder / f"scores-{self.key.fingerprint}.json"
-        _write_atomic(path, lambda tmp: tmp.write_text(json.dumps(out)))
-        return path
-
-
-def _write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
-    """Write then rename: a kill leaves the previous file (or none), never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+        return write_scores(folder, out, tensors)
 
 
 def score_rounds(key: OwnerKey, folders: Sequence[str | Path], texts: Sequence | None = None,

@@ -155,3 +155,30 @@ def audit_table(rounds: Sequence[RoundAudit], budget: float | None = None) -> st
     if budget is not None:
         out += f"\n\nbudget (paper's single-estimate bound): {budget:.4f} nats per dimension"
     return out
+
+
+def run_report(
+    title: str,
+    summary: Sequence[str],
+    report: AttributionReport,
+    *,
+    timing: Mapping[str, float] | None = None,
+    variants: Mapping[str, Mapping[str, Any]] | None = None,
+    baselines: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    """``report.md`` of a run (every writer of it comes here): the title, what ran, the
+    attribution table, then the stages, the other configurations and the baselines where the
+    run has them."""
+    parts = [title, *summary, attribution_table(report)]
+    if timing is not None:
+        parts += [
+            stages_table(timing),
+            f"FedAttr overhead over FL training: {100 * timing['overhead']:.1f}% "
+            "((SA + scoring) / training)",
+        ]
+    if variants:
+        parts += ["## Other attribution configurations (same training run)",
+                  variants_table(variants)]  # fmt: skip
+    if baselines:
+        parts += ["## Baselines (same training run)", baselines_table(baselines)]
+    return "\n\n".join(parts)

@@ -141,6 +141,8 @@ def _label_column(
     # Data span S with the last round, then pad, label and a margin right of it:
     # S = (x_last - x_min) + extra_pt * S / width_pt.
     extra_pt = min(_LABEL_PAD_PT + text_pt + 6.0, 0.45 * width_pt)
+    if x_last <= x_min:  # one round: give its point half a round either side
+        x_min = x_last - 0.5
     span = (x_last - x_min) / (1.0 - extra_pt / width_pt)
     ax.set_xlim(x_min, x_min + span)
     x_text = x_last + _LABEL_PAD_PT * span / width_pt

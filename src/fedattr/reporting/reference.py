@@ -324,9 +324,9 @@ def _same_sections(a: Any, b: Any) -> set[str]:
 
 
 def _presets() -> list[str]:
-    from ..experiments.config import PRESET_OVERRIDES
     from ..experiments.main import WATERMARK_OVERRIDES
     from ..experiments.tables import TABLES
+    from ..pipeline.config import PRESET_OVERRIDES
 
     presets = [
         [_code(name), ", ".join(_code(s) for s in sets) or "none (the defaults above)"]
@@ -361,7 +361,7 @@ def _presets() -> list[str]:
 def render_configuration() -> str:
     """``docs/reference/configuration.md``: every configuration key of ``fedattr run`` and
     ``fedattr demo-protocol`` with its type, default and docstring."""
-    from ..experiments.config import DemoConfig, RunConfig
+    from ..pipeline.config import DemoConfig, RunConfig
 
     run, demo = RunConfig(), DemoConfig()
     parts = [
@@ -369,7 +369,7 @@ def render_configuration() -> str:
         _HEADER.format(
             cmd=REGENERATE,
             source="the configuration dataclasses "
-            "(`fedattr.experiments.config.RunConfig`, `DemoConfig` and their "
+            "(`fedattr.pipeline.config.RunConfig`, `DemoConfig` and their "
             "sections)",
         ),
         "A configuration is a tree of typed sections. Give it as a `.toml` or `.json` file "

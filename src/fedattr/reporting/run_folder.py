@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 from ..attribution.audit import RoundAudit, audit_file
+from ..attribution.stouffer import AttributionReport
 from ..config import from_dict, to_dict
 from ..data.loaders import json_lines
 from ..errors import UserError
+from .markdown import run_report
 
 CONFIG = "config.json"
 ROUNDS = "rounds.jsonl"
@@ -32,6 +34,7 @@ QUERIES = "queries.jsonl"
 RESULTS = "results.json"
 REPORT = "report.md"
 PLOT = "attribution.png"
+ATTRIBUTION = "attribution.json"
 CHECKPOINT_DIR = "checkpoint"
 CHECKPOINT = "state.pt"
 
@@ -246,14 +249,33 @@ class RunFolder:
         """``rounds.jsonl``, ``queries.jsonl`` (coefficients, never results), ``report.md``
         with a link to ``attribution.png``, the plot, then ``results.json`` last (its presence
         marks the run finished)."""
-        from .plots import plot_attribution
-
         self.path.mkdir(parents=True, exist_ok=True)
         write_jsonl(self.file(ROUNDS), rounds)
         write_jsonl(self.file(QUERIES), queries)
+        self._write_report(report_md, report)
+        self.file(RESULTS).write_text(json.dumps(results, indent=2))
+
+    def _write_report(self, report_md: str, report: Any) -> None:
+        from .plots import plot_attribution
+
         self.file(REPORT).write_text(report_md + f"\n\n![attribution]({PLOT})\n")
         plot_attribution(report, self.file(PLOT))
-        self.file(RESULTS).write_text(json.dumps(results, indent=2))
+
+    def write_owner_scored(self, report: AttributionReport, owners: list[str]) -> None:
+        """The verdicts ``fedattr attribute`` combined from the owners' scores:
+        ``attribution.json`` (that report alone), merged into ``results.json`` (when the run
+        finished), and ``report.md`` and the plot rewritten with them."""
+        data = report.to_dict()
+        data["owners"] = owners
+        self.file(ATTRIBUTION).write_text(json.dumps(data, indent=2))
+        results = self.file(RESULTS)
+        if results.is_file():
+            merged = {**json.loads(results.read_text()), **data, "scoring": "owner"}
+            results.write_text(json.dumps(merged, indent=2))
+        md = self.file(REPORT)
+        title = md.read_text().split("\n\n")[0] if md.is_file() else "# FedAttr run"
+        summary = [f"Scored by the owners ({', '.join(owners)}), combined by fedattr attribute."]
+        self._write_report(run_report(title, summary, report), report)
 
     def audit(self) -> list[RoundAudit]:
         """What the run's SA answers reveal, per round (``queries.jsonl``)."""

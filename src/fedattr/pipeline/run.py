@@ -39,7 +39,7 @@ from ..fl.synthetic import SyntheticPool
 from ..models.loading import load_model
 from ..models.lora import attach_lora, candidate_stacker, load_state
 from ..models.text import encode_examples
-from ..reporting.markdown import attribution_table, baselines_table, stages_table, variants_table
+from ..reporting.markdown import run_report
 from ..reporting.run_folder import RunFolder
 from ..runtime import take_note
 from ..secagg import SecureAggregator, make_aggregator
@@ -103,22 +103,11 @@ class RunResult:
                      f"{c.attribution.statistic} statistic)")  # fmt: skip
             K, T = c.synthetic.K, c.synthetic.rounds
         a = c.attribution
-        parts = [
-            title,
-            f"K={K}, T={T}, N={a.N}, M={a.M}, {self.null} null, SA backend "
-            f"`{c.secagg.backend}` ({self.sa_queries} SA queries).",
-            attribution_table(self.report),
-            stages_table(self.timing),
-            f"FedAttr overhead over FL training: {100 * self.timing['overhead']:.1f}% "
-            "((SA + scoring) / training)",
-        ]
-        if self.variants:
-            parts += ["## Other attribution configurations (same training run)",
-                      variants_table(self.variants)]  # fmt: skip
-        if self.baselines:
-            parts += ["## Baselines (same training run)",
-                      baselines_table([b.to_dict() for b in self.baselines])]  # fmt: skip
-        return "\n\n".join(parts)
+        summary = [f"K={K}, T={T}, N={a.N}, M={a.M}, {self.null} null, SA backend "
+                   f"`{c.secagg.backend}` ({self.sa_queries} SA queries)."]  # fmt: skip
+        return run_report(title, summary, self.report, timing=self.timing,
+                          variants=self.variants,
+                          baselines=[b.to_dict() for b in self.baselines])  # fmt: skip
 
     def write(self, folder: RunFolder | str | Path) -> RunFolder:
         """The run folder's result files. A path is claimed first (a new folder: its
