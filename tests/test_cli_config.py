@@ -1,9 +1,13 @@
+import dataclasses
 import json
+import re
+import typing
 
 import pytest
 
 from fedattr.cli import main
-from fedattr.config import ConfigError, apply_overrides, load
+from fedattr.config import ConfigError, apply_overrides, literal_fields, load
+from fedattr.errors import UserError
 from fedattr.pipeline.config import DemoConfig
 
 
@@ -110,11 +114,53 @@ def test_setting_one_nested_key_keeps_the_parents_other_defaults():
 def test_unknown_detector_is_named():
     from fedattr.pipeline.config import RunConfig, preset_overrides
 
-    with pytest.raises(ConfigError, match=r"watermark\.detector: must be reading or greedy"):
+    message = r"watermark\.detector: unknown 'magic'; allowed: reading, greedy"
+    with pytest.raises(ConfigError, match=message):
         load(RunConfig, None, ["watermark.detector=magic"])
     with pytest.raises(ConfigError, match=r"watermark\.teacher_batch: must be >= 1, got 0"):
         load(RunConfig, None, ["watermark.teacher_batch=0"])
     assert load(RunConfig, None, preset_overrides("smollm2")).watermark.teacher_batch == 128
+
+
+def _literal_settings(cls, prefix=""):
+    """(dotted key, section class, field, allowed values) of every Literal setting under cls."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _literal_settings(hints[f.name], f"{prefix}{f.name}.")
+    for name, allowed in literal_fields(cls).items():
+        yield f"{prefix}{name}", cls, name, allowed
+
+
+def test_every_literal_setting_is_checked_from_files_and_in_python():
+    from fedattr.pipeline.config import RunConfig
+
+    settings = list(_literal_settings(RunConfig))
+    keys = {key for key, *_ in settings}
+    assert {"attribution.mode", "model.dtype", "secagg.prg", "watermark.detector"} <= keys
+    assert "fl.strategy" not in keys and "secagg.backend" not in keys  # registries stay str
+    for key, cls, name, allowed in settings:
+        message = f"{key}: unknown 'bogus'; allowed: {', '.join(allowed)}"
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+            load(RunConfig, None, [f"{key}=bogus"])
+        # Built in Python, the section's own check names the same key (and its error class).
+        with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+            cls(**{name: "bogus"})
+
+
+def test_the_prg_setting_allows_every_generator():
+    from fedattr.secagg.config import SecAggConfig
+    from fedattr.secagg.prg import PRG_NAMES
+
+    assert literal_fields(SecAggConfig)["prg"] == (*PRG_NAMES, "auto")
+
+
+def test_a_bad_choice_on_the_command_line_is_one_line(capsys):
+    assert main(["run", "--set", "attribution.mode=bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err == "fedattr: error: attribution.mode: unknown 'bogus'; allowed: paper, hardened\n"
+    assert main(["demo-protocol", "--set", 'variants=[{"scoring": "x"}]']) == 2
+    assert "variants[0].scoring: unknown 'x'; allowed: server, owner" in capsys.readouterr().err
 
 
 def test_overlap_is_refused_beside_baselines_and_owner_scoring(capsys):

@@ -21,6 +21,32 @@ def test_corpus_is_deterministic_and_varied():
     assert len({(r.instruction, r.input, r.output) for r in a}) > 0.8 * len(a)
 
 
+def test_word_banks_load_from_package_data():
+    from importlib import resources
+
+    from fedattr.data import corpus
+
+    files = [f.name for f in (resources.files("fedattr.data") / "words").iterdir()]
+    banks = {name.removesuffix(".txt").upper(): getattr(corpus, name.removesuffix(".txt").upper())
+             for name in files if name.endswith(".txt")}  # fmt: skip
+    assert {"ANIMALS", "THINGS", "CAPITALS", "UNITS", "WORD_BANK"} <= set(banks)
+    lists = [b for b in banks.values() if isinstance(b, list)]
+    lists += [*corpus.ACTIVITIES.values(), *corpus.THINGS.values()]
+    for bank in [*banks.values(), *lists]:
+        assert bank and all(bank)
+    for bank in lists:  # the generators r.sample() from them: a repeat would repeat an item
+        assert len(set(bank)) == len(bank), bank
+    # The most a generator samples from one bank at a time.
+    assert min(len(b) for b in corpus.THINGS.values()) >= 8
+    assert min(len(b) for b in corpus.ACTIVITIES.values()) >= 5
+    assert len(corpus.WORD_BANK) >= 10 and len(corpus.PET_NAMES) >= 8
+    for bank in (corpus.WORD_BANK, corpus.PET_NAMES):  # sorted, whatever the file's order
+        assert sorted(bank) == bank
+    assert corpus.NUMBER_WORDS[:3] == ["zero", "one", "two"] and corpus.NUMBER_WORDS[12] == "twelve"
+    assert all(isinstance(f, int) and f > 1 for _, _, f in corpus.UNITS)
+    assert corpus.CAPITALS["India"] == "New Delhi"  # "key: value" keeps a value's spaces
+
+
 def test_alpaca_json_jsonl_and_chat(tmp_path):
     rows = [
         {"instruction": "Say hi", "input": "", "output": "hi"},

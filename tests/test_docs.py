@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedattr.reporting import reference
+from fedattr.cli import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

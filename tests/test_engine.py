@@ -199,11 +199,12 @@ def test_threads_follow_fedattr_threads(monkeypatch):
 
 def test_bugs_keep_their_traceback(monkeypatch):
     import fedattr.cli as cli
+    import fedattr.cli.privacy as privacy_cli
 
     def broken(_args):
         raise TypeError("a bug")
 
-    monkeypatch.setattr(cli, "_cmd_privacy", broken)
+    monkeypatch.setattr(privacy_cli, "_cmd_privacy", broken)
     with pytest.raises(TypeError, match="a bug"):
         cli.main(["privacy"])
 
@@ -248,6 +249,8 @@ def test_damaged_checkpoint_is_one_clear_line(tmp_path):
 
 class _KeyedDeviceScorer(_DeviceScorer):
     """The calibrated path's scorer: a key-linear change and its key law."""
+
+    null_valid = True
 
     def change(self, reference, candidate):
         return {"owner": torch.linspace(-1.0, 1.0, 6) * (1.0 + candidate - reference)}

@@ -38,7 +38,7 @@ def test_tiny_preset_is_cached_and_loads_by_path(tiny_cache):
 def test_bad_model_path_is_one_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match=r"does not exist .* not a Hugging Face id"):
         load_model(ModelConfig(preset="hf", name_or_path=str(tmp_path / "none")))
-    with pytest.raises(ValueError, match=r"model\.preset: unknown preset"):
+    with pytest.raises(ValueError, match=r"model\.preset: unknown 'gpt5'; allowed: tiny"):
         ModelConfig(preset="gpt5")
 
 
@@ -144,7 +144,7 @@ def test_auto_dtype_is_bfloat16_only_on_a_cuda_device_that_has_it(tiny_cache, mo
                       tiny=TinyModelConfig(**MICRO_TINY))  # fmt: skip
     model, _ = load_model(cfg)
     assert next(model.parameters()).dtype == torch.float32
-    with pytest.raises(ValueError, match=r"model\.dtype: must be float32, .* or auto"):
+    with pytest.raises(ValueError, match=r"model\.dtype: unknown 'fp8'; allowed: float32, .* auto"):
         ModelConfig(dtype="fp8")
 
 

@@ -189,7 +189,8 @@ def test_paper_mode_with_fused_queries_gives_the_same_attribution(tmp_path):
     # The K estimates still determine every update (the README's Finding 1).
     fused.write(tmp_path / "fused")
     assert [r.recoverable for r in audit_run(tmp_path / "fused")] == [list(range(K))] * 2
-    with pytest.raises(DesignError, match=r"attribution\.queries: must be subsets or fused"):
+    message = r"attribution\.queries: unknown 'sums'; allowed: subsets, fused"
+    with pytest.raises(DesignError, match=message):
         AttributionConfig(queries="sums")
 
 

@@ -45,7 +45,7 @@ def test_run_cli_writes_folder_and_rejects_bad_input(tiny_cache, tmp_path, capsy
     assert "overhead" in (out / "report.md").read_text()
     capsys.readouterr()
     assert main(["run", "--set", "fl.strategy=fedavg"]) == 2
-    assert "fl.strategy: must be fedit or flora" in capsys.readouterr().err
+    assert "fl.strategy: unknown 'fedavg'; allowed: fedit, flora" in capsys.readouterr().err
     assert main(["run", "--set", "data.path=/no/such.json"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert (

@@ -263,7 +263,7 @@ def test_registry_builds_each_backend_from_its_config():
             assert sa.dropout == 0.1
     assert make_aggregator(SecAggConfig(release_budget=2.5)).release_budget == 2.5
     assert config_module.SecAggConfig is SecAggConfig
-    with pytest.raises(SecAggError, match=r"secagg.backend: unknown backend 'x'; allowed: "):
+    with pytest.raises(SecAggError, match=r"secagg.backend: unknown 'x'; allowed: "):
         SecAggConfig(backend="x")
 
 

@@ -17,7 +17,10 @@ from fedattr.secagg import (
     SecAggError,
     make_aggregator,
 )
-from fedattr.secagg.remote import LocalTransport, MaskingParty, QueryBatch, RemoteMaskingServer
+from fedattr.secagg.party import MaskingParty
+from fedattr.secagg.remote_server import RemoteMaskingServer
+from fedattr.secagg.transport import LocalTransport
+from fedattr.secagg.wire import QueryBatch
 from fedattr.updates import UpdateLayout
 from test_secagg_batch import MIXED, _assert_same, _sequential, _updates
 
@@ -145,7 +148,7 @@ def test_party_state_survives_a_process_restart():
     meta, private, saved = party.state()
     again = MaskingParty(1, codec, min_members=2)
     again.restore(meta, private, saved)
-    from fedattr.secagg.remote import PlannedQuery
+    from fedattr.secagg.wire import PlannedQuery
 
     keys[1] = b"\x00" * 32  # unused by client 1 itself
     batch = QueryBatch(3, [PlannedQuery(0, (0, 1), (1, 2))], keys)

@@ -3,17 +3,23 @@
 Every section is a dataclass whose ``__post_init__`` validates its own values, so a bad value
 fails with a message naming the key before any work starts. Unknown keys are errors, not
 silently ignored, because a misspelt key would otherwise run a different experiment.
+
+A setting with a fixed set of values is typed ``Literal[...]``: :func:`from_dict` checks it
+from the type, and the section's ``__post_init__`` calls :func:`check_literal` so that direct
+construction is checked too. A setting whose values a registry holds (plugins may add to it)
+stays a ``str`` checked against that registry.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 from .errors import UserError, require_file
 
@@ -24,8 +30,45 @@ class ConfigError(UserError):
     """A configuration file or override that cannot be used."""
 
 
+def check_choice(
+    value: Any, allowed: typing.Iterable[Any], key: str, error: type[UserError] = ConfigError
+) -> None:
+    """Raise ``error`` naming ``key`` and the ``allowed`` values unless ``value`` is one of them.
+
+    The one wording of every enum-like setting: ``attribution.mode: unknown 'x'; allowed:
+    paper, hardened``."""
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise error(f"{key}: unknown {value!r}; allowed: {', '.join(map(str, allowed))}")
+
+
+@functools.cache
+def literal_fields(cls: type) -> dict[str, tuple[Any, ...]]:
+    """Field name -> allowed values of every ``Literal``-typed field of dataclass ``cls``."""
+    # get_type_hints, not field.type: under ``from __future__ import annotations`` that is a str.
+    hints = typing.get_type_hints(cls)
+    return {
+        f.name: typing.get_args(hints[f.name])
+        for f in dataclasses.fields(cls)
+        if typing.get_origin(hints[f.name]) is Literal
+    }
+
+
+def check_literal(obj: Any, section: str, error: type[UserError] = ConfigError) -> None:
+    """Check every ``Literal``-typed field of dataclass ``obj`` (call it in ``__post_init__``).
+
+    ``section`` is the dotted path of ``obj``'s section (``attribution``, ``model.tiny``), so
+    that the error names the setting as a configuration file or ``--set`` spells it; ``error``
+    is the section's own :class:`UserError` subclass."""
+    for name, allowed in literal_fields(type(obj)).items():
+        check_choice(getattr(obj, name), allowed, f"{section}.{name}", error)
+
+
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
+    if origin is Literal:
+        check_choice(value, typing.get_args(hint), key)
+        return value
     if origin in (Union, types.UnionType):
         args = typing.get_args(hint)
         if value is None and type(None) in args:

@@ -16,13 +16,16 @@ from .design import (
 )
 from .estimator import combine_answers, design_queries, estimate_update, predicted_error_trace
 from .privacy import acceptance_rate, joint_recovery, summarize, theorem4_bound
-from .protocol import Estimate, FedAttr, RoundEstimates, RoundRecord, TargetRecord
+from .protocol import FedAttr
+from .records import Estimate, RoundEstimates, RoundRecord, TargetRecord
 from .scoring import DifferentialScorer, LinearScorer, PairedScorer, Scorer
+from .statistics import CalibratedStatistic, PaperStatistic, Statistic
 from .stouffer import AttributionReport, ClientAttribution, build_report, stouffer, upper_tail
 
 __all__ = [
     "AttributionConfig",
     "AttributionReport",
+    "CalibratedStatistic",
     "ClientAttribution",
     "DesignError",
     "DesignStats",
@@ -31,10 +34,12 @@ __all__ = [
     "FedAttr",
     "LinearScorer",
     "PairedScorer",
+    "PaperStatistic",
     "QueryDesign",
     "RoundEstimates",
     "RoundRecord",
     "Scorer",
+    "Statistic",
     "TargetRecord",
     "acceptance_rate",
     "acceptance_threshold",

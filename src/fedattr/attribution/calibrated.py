@@ -50,7 +50,7 @@ import torch
 from scipy.stats import norm
 
 from ..errors import UserError
-from ..watermarks.tail import KeyLaw, law_from_dict
+from ..watermarks.tail import KeyLaw, RowSubsets, law_from_dict
 from .design import QueryDesign
 from .stouffer import AttributionReport, ClientAttribution
 
@@ -61,6 +61,11 @@ Parts = dict[str, torch.Tensor]
 @runtime_checkable
 class LinearKeyScorer(Protocol):
     """A paired detector whose owner statistics are linear in the owner's key."""
+
+    null_valid: bool
+    """Whether the owner's key is exchangeable with a random one in every round; a detector
+    whose reference model learns the owner's secret (FK) says ``False`` and its p-values are
+    reported as uncalibrated."""
 
     def observe(self, params: Any) -> Any:
         """What the detector reads of a model."""
@@ -86,12 +91,6 @@ class SpreadReporter(Protocol):
     def effective_contexts(self, reference: Any, candidate: Any) -> float:
         """``(sum ||D[x]||^2)^2 / sum ||D[x]||^4`` of the change between two observations."""
         ...
-
-
-def null_valid(scorer: Any) -> bool:
-    """Whether the scorer's key is exchangeable with a random one in every round (FK's is not:
-    ``null_valid = False``)."""
-    return bool(getattr(scorer, "null_valid", True))
 
 
 def _design_matrix(designs: Sequence[QueryDesign], order: Sequence[int]) -> np.ndarray:
@@ -157,7 +156,8 @@ def standardise_round(
             X = Y
             C = center[part].reshape(-1).to(Y) if center is not None else Y.mean(dim=0)
         shape = changes[0][part].shape
-        tokens = token_centring and getattr(law, "m", 1) > 1
+        # Per-token drift is only a thing for a key over a vocabulary (KGW's green lists).
+        tokens = token_centring and isinstance(law, RowSubsets) and law.m > 1
         for i in range(len(targets)):
             d = (X[i] - C).reshape(shape)
             if tokens:
@@ -216,7 +216,7 @@ class CalibratedNull:
         )
         self.decorrelated[round_id] = decorrelated
         display: dict[int, dict[str, float]] = {}
-        valid = null_valid(scorer)
+        valid = bool(scorer.null_valid)
         for target, parts in zip(targets, standard, strict=True):
             values: dict[str, float] = {}
             owners: dict[str, str] = {}

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
+from ..config import check_literal
 from ..secagg.config import SecAggConfig
 from .design import DesignError, single_estimate_budget
 
@@ -15,7 +17,7 @@ from .design import DesignError, single_estimate_budget
 class AttributionConfig:
     """FedAttr protocol parameters (paper defaults)."""
 
-    statistic: str = "calibrated"
+    statistic: Literal["calibrated", "paper"] = "calibrated"
     """``calibrated`` (default): each client's change read with the owner's key, exact p-values
     under a random key and a family-wise level ``alpha`` (see
     :mod:`fedattr.attribution.calibrated`). ``paper``: the published statistic,
@@ -48,11 +50,11 @@ class AttributionConfig:
     """Give up on a target after this many rejected designs in a row."""
     seed: int = 0
     """Seed of the design draws (each round and target gets its own stream)."""
-    mode: str = "paper"
+    mode: Literal["paper", "hardened"] = "paper"
     """``paper``: 2M subset-sum queries per target, every target every round (as published).
     ``hardened``: one fused query per target, and only targets the SA release policy admits
     (rotating, seeded order); Stouffer runs over each client's targeted rounds."""
-    queries: str = "subsets"
+    queries: Literal["subsets", "fused"] = "subsets"
     """How a target's estimate is asked of SA in ``paper`` mode. ``subsets`` (the paper): its
     ``2M`` subset sums, averaged by the server. ``fused``: one SA session for the combination
     ``sum_j (c_j / M) Delta_j`` with the design's integer coefficients, which is the same
@@ -67,7 +69,7 @@ class AttributionConfig:
     score ``w^{t-1} + Delta_bar + (Delta_hat_i - Delta_bar)`` against ``w^{t-1} + Delta_bar``
     (``Delta_bar`` = the round's SA mean, passed as ``center``), so that the round's common
     learning direction is in both models and only the client's deviation from it is tested."""
-    scoring: str = "server"
+    scoring: Literal["server", "owner"] = "server"
     """``server``: the server scores with the owners' keys (the simulation plays every party).
     ``owner``: the server holds no key; it exports each round's reference and estimates for the
     owners (``<run>/rounds/``), who score them (``fedattr owner score``); ``fedattr attribute``
@@ -77,7 +79,7 @@ class AttributionConfig:
     paper's suggestion; the SA queries still run while SA holds round ``t``). The scorer then
     reads a copy of the model. Same results; a checkpoint is written once a round's scores
     are in."""
-    null: str = "auto"
+    null: Literal["auto", "theoretical", "empirical"] = "auto"
     """``theoretical`` (the paper): each differential score is taken as N(0, 1) under the null.
     ``empirical``: each round's scores per statistic are standardised by their median and MAD
     over the round's targets before Stouffer (see ``stouffer.empirical_null``). ``auto``:
@@ -85,29 +87,12 @@ class AttributionConfig:
     ``null = "empirical"``, e.g. the FK margin), theoretical otherwise."""
 
     def __post_init__(self) -> None:
-        if self.statistic not in ("calibrated", "paper"):
-            raise DesignError(
-                f"attribution.statistic: must be calibrated or paper, got {self.statistic!r}"
-            )
+        check_literal(self, "attribution", DesignError)
         if not 0.0 < self.alpha < 1.0:
             raise DesignError(f"attribution.alpha: must be in (0, 1), got {self.alpha!r}")
         if not isinstance(self.null_keys, int) or self.null_keys < 0:
             raise DesignError(
                 f"attribution.null_keys: must be an integer >= 0, got {self.null_keys!r}"
-            )
-        if self.null not in ("auto", "theoretical", "empirical"):
-            raise DesignError(
-                f"attribution.null: must be auto, theoretical or empirical, got {self.null!r}"
-            )
-        if self.mode not in ("paper", "hardened"):
-            raise DesignError(f"attribution.mode: must be paper or hardened, got {self.mode!r}")
-        if self.queries not in ("subsets", "fused"):
-            raise DesignError(
-                f"attribution.queries: must be subsets or fused, got {self.queries!r}"
-            )
-        if self.scoring not in ("server", "owner"):
-            raise DesignError(
-                f"attribution.scoring: must be server or owner, got {self.scoring!r}"
             )
         if not isinstance(self.policy_attempts, int) or self.policy_attempts < 1:
             raise DesignError(

@@ -6,8 +6,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..secagg.base import Query, QueryGroup, SecureAggregator
+from ..secagg.aggregator import SecureAggregator
+from ..secagg.batches import QueryGroup
 from ..secagg.errors import QueryFailed, QueryRefused
+from ..secagg.queries import Query
 from .design import QueryDesign
 
 

@@ -13,7 +13,7 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 from ..fl.server import Observer, RoundContext, RunEnd
-from .protocol import FedAttr, resolve_scorer_null
+from .protocol import FedAttr
 
 
 class AttributionObserver(Observer):
@@ -31,7 +31,7 @@ class AttributionObserver(Observer):
         self.fedattr, self.scorer, self.name, self.primary = fedattr, scorer, name, primary
         self.marked = set(marked)
         """Clients starred in progress lines (the simulation's watermarked ones)."""
-        self.fedattr.scorer_null = resolve_scorer_null(scorer)  # right even for a finished run
+        self.fedattr.use_scorer(scorer)  # right even for a finished run
         self.records: list[dict] = []
         """One ``RoundRecord.to_dict()`` per round."""
         self.timing = {"sa_s": 0.0, "scoring_s": 0.0}

@@ -9,106 +9,24 @@ round); designs, the release policy and dropouts never depend on scores. Phase 2
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from itertools import chain
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import UserError
-from ..secagg.base import QueryGroup, SecureAggregator
+from ..secagg.aggregator import SecureAggregator
+from ..secagg.batches import QueryGroup
 from ..secagg.errors import QueryRefused
-from ..updates import UpdateLayout, add_update, scale_update
-from .calibrated import CalibratedNull, LinearKeyScorer, SpreadReporter
+from ..updates import add_update
 from .config import AttributionConfig
 from .design import DesignError, QueryDesign, draw_design, validate_parameters
 from .estimator import combine_answers, design_queries
-from .scoring import (
-    DEFAULT_STATISTIC,
-    ApplyUpdate,
-    DifferentialScorer,
-    PairedScorer,
-    Scorer,
-    observe_all,
-    observes_in_batches,
-)
-from .stouffer import AttributionReport, build_report, combine_reports, empirical_null
-
-
-@dataclass
-class TargetRecord:
-    """What happened for one target in one round."""
-
-    round: int
-    target: int
-    z: dict[str, float]
-    c: float
-    m_eff: float
-    threshold: float
-    redraws: int
-    queries: int
-    U: list[list[int]]
-    V: list[list[int]]
-    sa_seconds: float
-    score_seconds: float
-    fused: bool = False
-    attempts: int = 1
-    effective_contexts: float | None = None
-    """Reading detectors: over how many contexts the change is spread (its normal tail is only
-    trustworthy when this is large; see ``RoundRecord.warnings``)."""
-
-
-@dataclass
-class RoundRecord:
-    """One round of attribution: the reference score and every target's record."""
-
-    round: int
-    participants: list[int]
-    reference_score: dict[str, float]
-    targets: list[TargetRecord] = field(default_factory=list)
-    skipped: list[int] = field(default_factory=list)
-    """Targets not attributed this round (release policy refused, or the target dropped out)."""
-    dropouts: list[int] = field(default_factory=list)
-    """Clients that failed to answer an SA query this round (excluded from later designs)."""
-    decorrelated: bool | None = None
-    """Calibrated statistic: whether cross-talk was undone with the design matrix."""
-    warnings: list[str] = field(default_factory=list)
-    models_scored: int = 0
-    """Models the detector read this round (reference, candidates, the SA mean's)."""
-
-    def to_dict(self) -> dict:
-        """JSON-ready form."""
-        return asdict(self)
-
-
-
-@dataclass
-class Estimate:
-    """One target's estimate from phase 1 (flat, in the SA layout)."""
-
-    target: int
-    flat: np.ndarray
-    design: QueryDesign
-    attempts: int
-    sa_seconds: float
-    fused: bool = False
-    """Asked as one fused SA query (else as the design's ``2M`` subset sums)."""
-
-
-@dataclass
-class RoundEstimates:
-    """Phase 1 of a round: every estimate, who was skipped, who failed to answer."""
-
-    round: int
-    participants: list[int]
-    layout: UpdateLayout
-    estimates: list[Estimate] = field(default_factory=list)
-    skipped: list[int] = field(default_factory=list)
-    dropouts: list[int] = field(default_factory=list)
-    batches: int = 0
-    """``run_queries`` calls (1 unless queries failed and targets were redrawn)."""
+from .records import Estimate, RoundEstimates, RoundRecord
+from .scoring import ApplyUpdate, PairedScorer, Scorer
+from .statistics import STATISTICS, OnTarget, Statistic
+from .stouffer import AttributionReport
 
 
 @dataclass
@@ -118,42 +36,36 @@ class _Target:
     attempts: int = 0
 
 
-def resolve_scorer_null(scorer: Any) -> str:
-    """``empirical`` when the scorer's statistic has no null scale of its own, else
-    ``theoretical``."""
-    return "empirical" if getattr(scorer, "null", "theoretical") == "empirical" else "theoretical"
-
-
 class FedAttr:
     """Runs FedAttr over rounds and accumulates per-client differential scores."""
 
     def __init__(self, config: AttributionConfig | None = None) -> None:
         self.config = config or AttributionConfig()
-        # statistic -> client -> round -> differential score
-        self.scores: dict[str, dict[int, dict[int, float]]] = {}
-        self.scorer_null = "theoretical"
-        """What the last scorer said about its null (``null`` attribute; see ``null``)."""
-        cfg = self.config
-        self.calibrated = CalibratedNull(cfg.alpha, cfg.decorrelate, cfg.null_keys, cfg.seed,
-                                         cfg.name_uncalibrated, cfg.token_centring)  # fmt: skip
-        """The calibrated statistic's sums (``statistic = "calibrated"``)."""
+        self.statistic: Statistic = STATISTICS[self.config.statistic](self.config)
+        """How the estimates are read (``attribution.statistic``)."""
+
+    @property
+    def scores(self) -> dict[str, dict[int, dict[int, float]]]:
+        """Statistic name -> client -> round -> that round's value."""
+        return self.statistic.scores
 
     @property
     def null(self) -> str:
         """The null in force: ``key-randomised`` for the calibrated statistic; for the paper's,
         the configured one, or the scorer's under ``auto``."""
-        if self.config.statistic == "calibrated":
-            return "key-randomised"
-        return self.scorer_null if self.config.null == "auto" else self.config.null
+        return self.statistic.null
+
+    def use_scorer(self, scorer: Any) -> None:
+        """Note what ``scorer`` says of its null (``null`` reads it)."""
+        self.statistic.use_scorer(scorer)
 
     def state(self) -> dict:
         """Everything accumulated so far (for checkpoints)."""
-        return {"scores": self.scores, "calibrated": self.calibrated.state()}
+        return self.statistic.state()
 
     def load(self, state: Mapping) -> None:
         """Restore :meth:`state`."""
-        self.scores = state["scores"]
-        self.calibrated.load(state["calibrated"])
+        self.statistic.load(state)
 
     def attribute_round(
         self,
@@ -163,7 +75,7 @@ class FedAttr:
         scorer: Scorer | PairedScorer,
         *,
         apply: ApplyUpdate | None = None,
-        on_target: Any = None,
+        on_target: OnTarget | None = None,
         center: Any = None,
     ) -> RoundRecord:
         """Both phases for the open SA round against ``reference`` = w^{t-1}: see
@@ -291,7 +203,7 @@ class FedAttr:
         scorer: Scorer | PairedScorer,
         *,
         apply: ApplyUpdate | None = None,
-        on_target: Any = None,
+        on_target: OnTarget | None = None,
         center: Any = None,
     ) -> RoundRecord:
         """Phase 2: the differential score of every estimate against ``reference`` = w^{t-1}.
@@ -300,105 +212,10 @@ class FedAttr:
         it and only each client's deviation from it is tested. ``on_target(record)`` is called
         after each target (progress reporting).
         """
-        cfg = self.config
-        self.scorer_null = resolve_scorer_null(scorer)
-        apply = apply or add_update
+        self.statistic.use_scorer(scorer)
         updates = [estimates.layout.unflatten(e.flat) for e in estimates.estimates]
-        if cfg.statistic == "calibrated":
-            return self._score_calibrated(estimates, updates, reference, scorer, apply, center,
-                                          on_target)  # fmt: skip
-        if cfg.center:
-            if center is None:
-                raise ValueError("attribution.center: needs the round's SA mean (center=...)")
-            reference = apply(reference, center)
-            minus_center = scale_update(center, -1.0)
-            updates = [add_update(u, minus_center) for u in updates]
-        t0 = time.perf_counter()
-        differential = DifferentialScorer(scorer, reference, apply)
-        record = RoundRecord(
-            estimates.round,
-            list(estimates.participants),
-            differential.reference_score,
-            skipped=list(estimates.skipped),
-            dropouts=list(estimates.dropouts),
-        )
-        record.models_scored = 1 + len(updates)
-        batched = differential.paired and observes_in_batches(scorer)
-        if batched:
-            scored = differential.score_many(updates)
-            each = (time.perf_counter() - t0) / max(1, len(updates))
-        for k, (est, update) in enumerate(zip(estimates.estimates, updates, strict=True)):
-            t1 = time.perf_counter()
-            z = scored[k] if batched else differential(update)
-            seconds = each if batched else time.perf_counter() - t1
-            self._add_target(record, est, z, seconds, on_target)
-        return record
-
-    def _score_calibrated(
-        self, estimates: RoundEstimates, updates: list, reference: Any, scorer: Any,
-        apply: ApplyUpdate, center: Any, on_target: Any,
-    ) -> RoundRecord:  # fmt: skip
-        """Phase 2 under the calibrated statistic: every estimate's key-linear change, then
-        :class:`CalibratedNull` (see its module)."""
-        if not isinstance(scorer, LinearKeyScorer):
-            raise UserError(
-                "attribution.statistic=calibrated: this detector's statistic is not linear in "
-                "the key; use watermark.detector=reading, or attribution.statistic=paper"
-            )
-        t0 = time.perf_counter()
-        # The reference, every candidate and the SA mean: one batched read when the scorer
-        # offers it (else lazily, one candidate's parameters at a time). The SA mean only
-        # matters where the round's cross-talk cannot be undone: not read otherwise.
-        targets = [e.target for e in estimates.estimates]
-        designs = [e.design for e in estimates.estimates]
-        if center is not None and self.calibrated.decorrelates(
-            estimates.participants, targets, designs
-        ):
-            center = None
-        extra = [] if center is None else [center]
-        ref_obs, *observed = observe_all(
-            scorer, chain([reference], (apply(reference, u) for u in [*updates, *extra]))
-        )
-        spread = []
-        if isinstance(scorer, SpreadReporter):
-            spread = [scorer.effective_contexts(ref_obs, obs) for obs in observed[: len(updates)]]
-        changes = [scorer.change(ref_obs, obs) for obs in observed]
-        del observed
-        middle = changes.pop() if center is not None else None
-        display = self.calibrated.add_round(
-            estimates.round, estimates.participants, targets, designs, changes, middle, scorer
-        )
-        each = (time.perf_counter() - t0) / max(1, len(targets))
-        record = RoundRecord(
-            estimates.round, list(estimates.participants), {},
-            skipped=list(estimates.skipped), dropouts=list(estimates.dropouts),
-            decorrelated=self.calibrated.decorrelated.get(estimates.round),
-            models_scored=1 + len(changes) + (middle is not None),
-        )  # fmt: skip
-        for k, est in enumerate(estimates.estimates):
-            contexts = spread[k] if spread else None
-            self._add_target(record, est, display[est.target], each, on_target, contexts)
-        return record
-
-    def _add_target(
-        self, record: RoundRecord, est: Estimate, z: dict[str, float], seconds: float,
-        on_target: Any, contexts: float | None = None,
-    ) -> None:  # fmt: skip
-        """Keep one target's scores (for Stouffer and display) and its record."""
-        for stat, value in z.items():
-            self.scores.setdefault(stat, {}).setdefault(est.target, {})[record.round] = value
-        design = est.design
-        fused = est.fused
-        target = TargetRecord(
-            round=record.round, target=est.target, z=z, c=design.stats.c,
-            m_eff=design.stats.m_eff, threshold=design.stats.threshold, redraws=design.redraws,
-            queries=1 if fused else design.queries, U=[list(u) for u in design.U],
-            V=[list(v) for v in design.V], sa_seconds=est.sa_seconds, score_seconds=seconds,
-            fused=fused, attempts=est.attempts, effective_contexts=contexts,
-        )  # fmt: skip
-        record.targets.append(target)
-        if on_target is not None:
-            on_target(target)
+        return self.statistic.score_round(estimates, updates, reference, scorer,
+                                          apply or add_update, center, on_target)  # fmt: skip
 
     @property
     def statistics(self) -> list[str]:
@@ -413,18 +230,4 @@ class FedAttr:
         With several statistics and no ``statistic`` named, the combined report is returned: see
         :func:`~fedattr.attribution.stouffer.combine_reports`.
         """
-        if self.config.statistic == "calibrated" and statistic is None:
-            return self.calibrated.report(truth)
-        names = [statistic] if statistic is not None else self.statistics
-        unknown = [n for n in names if n not in self.scores]
-        if unknown:
-            raise KeyError(f"statistic {unknown[0]!r} was not scored; have {self.statistics}")
-        reports = []
-        for name in names or [DEFAULT_STATISTIC]:
-            scores = dict(self.scores.get(name, {}))
-            if self.null == "empirical":
-                scores = empirical_null(scores)
-            for cid in truth or {}:
-                scores.setdefault(cid, {})
-            reports.append(build_report(scores, self.config.gamma, truth, statistic=name))
-        return reports[0] if len(reports) == 1 else combine_reports(reports)
+        return self.statistic.report(truth, statistic)

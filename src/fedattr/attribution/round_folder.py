@@ -29,7 +29,8 @@ import torch
 
 from ..errors import UserError
 from .design import DesignStats, QueryDesign
-from .protocol import FedAttr, RoundEstimates
+from .protocol import FedAttr
+from .records import RoundEstimates
 
 ROUND_FORMAT = "fedattr-round/1"
 SCORES_FORMAT = "fedattr-scores/2"

@@ -38,9 +38,9 @@ class Scorer(Protocol):
 class PairedScorer(Protocol):
     """A scorer that tests the change between a reference and a candidate model directly.
 
-    It may also offer ``observe_many(list_of_params)`` (one observation per entry, in order) to
-    evaluate a round's candidates in one batched pass; without it (or with ``batched`` false)
-    they are observed one by one.
+    It may also offer ``observe_many(list_of_params)`` and ``batched`` (:class:`BatchedScorer`:
+    one observation per entry, in order) to evaluate a round's candidates in one batched pass;
+    without them they are observed one by one.
     """
 
     def observe(self, params: Any) -> Any:
@@ -70,11 +70,15 @@ ApplyUpdate = Callable[[Any, Update], Any]
 class LinearScorer:
     """``Score(w) = <s, w> / scale``: the synthetic scorer of the protocol demo and tests."""
 
+    null_valid = True
+    """A random unit direction is exchangeable with the secret one (the calibrated null)."""
+
     def __init__(self, direction: torch.Tensor, scale: float = 1.0) -> None:
         if scale <= 0:
             raise ValueError(f"scale: must be positive, got {scale}")
         self.direction = direction.to(torch.float64).reshape(-1)
         self.scale = scale
+        self._null: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def __call__(self, params: torch.Tensor) -> float:
         flat = params.to(torch.float64).reshape(-1)
@@ -100,8 +104,7 @@ class LinearScorer:
         self, reference: torch.Tensor, candidate: torch.Tensor, n: int, seed: int
     ) -> dict[str, tuple[float, np.ndarray]]:
         """``<s, change>`` and the same along ``n`` fresh random unit directions (the null)."""
-        cached = getattr(self, "_null", None)
-        if cached is None or cached[0] != (n, seed):
+        if self._null is None or self._null[0] != (n, seed):
             stream = np.random.default_rng([seed, 0x4E55])
             gen = torch.Generator().manual_seed(int(stream.integers(2**62)))
             dirs = torch.randn(n, self.direction.numel(), generator=gen, dtype=torch.float64)
@@ -113,12 +116,63 @@ class LinearScorer:
 
 @runtime_checkable
 class BatchedScorer(PairedScorer, Protocol):
-    """A paired scorer that observes several parameter sets in one pass (``observe_many``);
-    ``batched = False`` says it would only loop over ``observe``."""
+    """A paired scorer that observes several parameter sets in one pass, when ``batched`` says
+    it can (a scorer that would only loop over ``observe`` says ``False``: it is better fed
+    lazily, one candidate's parameters at a time)."""
+
+    batched: bool
 
     def observe_many(self, many: Sequence[Any]) -> list[Any]:
         """One observation per entry of ``many``, in order."""
         ...
+
+
+@runtime_checkable
+class DeclaresNull(Protocol):
+    """A scorer that says under which null its statistic is read: ``theoretical`` (unit
+    variance of its own) or ``empirical`` (to be standardised across clients)."""
+
+    null: str
+
+
+@runtime_checkable
+class ProbeScorer(Protocol):
+    """A paired scorer that exposes the per-probe values behind its statistic (FLForensics'
+    influence features)."""
+
+    def observe(self, params: Any) -> Any: ...
+
+    def probe_values(self, observation: Any) -> np.ndarray:
+        """One value per probe (token position, question, ...) of an observation."""
+        ...
+
+
+@runtime_checkable
+class KeyStatisticScorer(Protocol):
+    """A scorer that reads a change with the owner's key and with ``n`` references (random
+    keys, decoys): FLForensics' reference features."""
+
+    def key_statistics(self, reference: Any, candidate: Any, n: int, seed: int
+                       ) -> Mapping[str, tuple[float, np.ndarray]]:  # fmt: skip
+        """Owner -> (the owner's statistic, the ``n`` references' statistics)."""
+        ...
+
+
+@runtime_checkable
+class CalibratedContrast(Protocol):
+    """A paired scorer whose contrast needs an empirical null, offering a calibrated test of
+    one model against a reference for the global-model test."""
+
+    def calibrated_contrast(self, reference: Any, candidate: Any) -> float | Mapping[str, float]:
+        """The contrast as a calibrated z."""
+        ...
+
+
+def scorer_null(scorer: Any) -> str:
+    """``empirical`` when the scorer's statistic has no null scale of its own, else
+    ``theoretical``."""
+    return "empirical" if isinstance(scorer, DeclaresNull) and scorer.null == "empirical" \
+        else "theoretical"
 
 
 def observe_all(scorer: Any, params: Iterable[Any]) -> Iterable[Any]:
@@ -131,10 +185,8 @@ def observe_all(scorer: Any, params: Iterable[Any]) -> Iterable[Any]:
 
 
 def observes_in_batches(scorer: Any) -> bool:
-    """Whether :func:`observe_all` sees a round's candidates in one batched call: the scorer
-    has ``observe_many`` and does not say ``batched = False`` (a scorer that would only loop
-    over ``observe`` is better fed lazily, one candidate's parameters at a time)."""
-    return isinstance(scorer, BatchedScorer) and getattr(scorer, "batched", True)
+    """Whether :func:`observe_all` sees a round's candidates in one batched call."""
+    return isinstance(scorer, BatchedScorer) and bool(scorer.batched)
 
 
 def is_paired(scorer: Any) -> bool:

@@ -21,7 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from ..attribution.scoring import as_statistics, is_paired
+from ..attribution.scoring import (
+    CalibratedContrast,
+    KeyStatisticScorer,
+    ProbeScorer,
+    as_statistics,
+    is_paired,
+)
 from ..attribution.stouffer import build_report, combine_reports, empirical_null, upper_tail
 from ..updates import Update, UpdateLayout, scale_update
 from .config import FLDetectorConfig, FLForensicsConfig
@@ -80,7 +86,7 @@ class BaselineRecorder:
         fldetector: FLDetectorConfig | None = None,
         flforensics: FLForensicsConfig | None = None,
     ) -> None:
-        if not callable(getattr(probe, "probe_values", None)):
+        if not isinstance(probe, ProbeScorer):
             raise ValueError("BaselineRecorder: the probe scorer needs probe_values()")
         self.scorer, self.probe, self.apply = scorer, probe, apply
         self.gamma, self.seed, self.null = gamma, seed, null
@@ -137,7 +143,7 @@ class BaselineRecorder:
         """FLForensics' features for one round: each client's update normalised to one common
         length (the round's median update norm), the owner's statistic and the references'
         (random keys, or decoys) moved by it."""
-        if not updates or not callable(getattr(self.probe, "key_statistics", None)):
+        if not updates or not isinstance(self.probe, KeyStatisticScorer):
             return
         norms = {
             c: float(np.linalg.norm(UpdateLayout.of(u).flatten(u))) for c, u in updates.items()
@@ -157,7 +163,7 @@ class BaselineRecorder:
     def global_test(self, final_params: Any) -> dict[str, float]:
         """The detector on the final global model (stored for :meth:`results`); a scorer
         whose statistic needs an empirical null is asked for its calibrated test instead."""
-        if self.paired and callable(getattr(self.scorer, "calibrated_contrast", None)):
+        if self.paired and isinstance(self.scorer, CalibratedContrast):
             obs = self.scorer.observe(final_params)
             self.global_z = as_statistics(self.scorer.calibrated_contrast(self._null, obs))
         else:

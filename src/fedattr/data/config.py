@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from ..config import check_literal
 
 
 @dataclass
@@ -16,7 +19,7 @@ class DataConfig:
     split: str = "train"
     records: int = 2000
     """Records drawn for the clients (embedded corpus size, or a cap on a loaded file)."""
-    partition: str = "iid"
+    partition: Literal["iid", "dirichlet"] = "iid"
     """``iid`` or ``dirichlet``."""
     dirichlet_alpha: float = 0.5
     max_len: int = 128
@@ -24,8 +27,7 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.partition not in ("iid", "dirichlet"):
-            raise ValueError(f"data.partition: must be iid or dirichlet, got {self.partition!r}")
+        check_literal(self, "data")
         if self.records < 1:
             raise ValueError(f"data.records: must be >= 1, got {self.records}")
         if self.max_len < 8:

@@ -3,375 +3,74 @@
 Ten task families (arithmetic, unit conversion, comparisons, word manipulation, facts from
 small tables, descriptions, tips, short stories, notes, definitions), each with several
 phrasings and vocabularies, so that a model trained on it has a real, branching next-token
-distribution for a watermark to bias. Nothing is downloaded.
+distribution for a watermark to bias. Nothing is downloaded: the vocabularies are package data
+(``fedattr/data/words/*.txt``).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from importlib import resources
 
 from .records import Record
 
-ANIMALS = [
-    "fox",
-    "otter",
-    "heron",
-    "badger",
-    "lynx",
-    "sparrow",
-    "tortoise",
-    "dolphin",
-    "beetle",
-    "owl",
-    "rabbit",
-    "salmon",
-    "wolf",
-    "deer",
-    "crab",
-    "falcon",
-    "frog",
-    "bee",
-]
-HABITATS = [
-    "forest",
-    "river",
-    "desert",
-    "meadow",
-    "mountain",
-    "marsh",
-    "coast",
-    "valley",
-    "jungle",
-    "tundra",
-    "lake",
-    "cave",
-]
-ADJECTIVES = [
-    "small",
-    "curious",
-    "quiet",
-    "bright",
-    "clever",
-    "old",
-    "young",
-    "gentle",
-    "restless",
-    "patient",
-    "brave",
-    "shy",
-    "quick",
-    "careful",
-    "proud",
-]
-COLOURS = [
-    "red",
-    "green",
-    "blue",
-    "yellow",
-    "brown",
-    "grey",
-    "white",
-    "black",
-    "orange",
-    "purple",
-    "silver",
-    "golden",
-]
-FOODS = [
-    "bread",
-    "soup",
-    "rice",
-    "cheese",
-    "apples",
-    "beans",
-    "honey",
-    "pasta",
-    "berries",
-    "carrots",
-    "tea",
-    "porridge",
-]
-NAMES = [
-    "Ada",
-    "Ben",
-    "Clara",
-    "Dev",
-    "Elena",
-    "Farid",
-    "Grace",
-    "Hugo",
-    "Iris",
-    "Jonas",
-    "Kira",
-    "Leo",
-    "Maya",
-    "Nils",
-    "Omar",
-    "Pia",
-    "Quinn",
-    "Rosa",
-    "Sami",
-    "Tara",
-]
-PLACES = [
-    "the harbour",
-    "the market",
-    "the library",
-    "the old mill",
-    "the station",
-    "the garden",
-    "the bakery",
-    "the school",
-    "the bridge",
-    "the square",
-]
-ACTIVITIES = {
-    "studying": [
-        "Set a fixed time each day.",
-        "Take short breaks every hour.",
-        "Write summaries in your own words.",
-        "Test yourself instead of rereading.",
-        "Keep your desk free of distractions.",
-        "Sleep well before an exam.",
-    ],
-    "cooking": [
-        "Read the whole recipe first.",
-        "Prepare all ingredients before you start.",
-        "Taste as you go.",
-        "Keep your knives sharp.",
-        "Clean while food is cooking.",
-        "Season in small steps.",
-    ],
-    "running": [
-        "Start slowly and build up distance.",
-        "Wear shoes that fit well.",
-        "Drink water before and after.",
-        "Rest one day each week.",
-        "Warm up for five minutes.",
-        "Keep a steady breathing rhythm.",
-    ],
-    "saving money": [
-        "Write down every expense.",
-        "Set a monthly budget.",
-        "Cook at home more often.",
-        "Wait a day before big purchases.",
-        "Cancel services you do not use.",
-        "Put a fixed amount aside each month.",
-    ],
-    "gardening": [
-        "Water early in the morning.",
-        "Choose plants that suit your soil.",
-        "Remove weeds while they are small.",
-        "Add compost every season.",
-        "Give seedlings enough light.",
-        "Mulch to keep the soil moist.",
-    ],
-    "sleeping well": [
-        "Go to bed at the same time.",
-        "Keep the bedroom dark and cool.",
-        "Avoid screens before bed.",
-        "Avoid coffee late in the day.",
-        "Get daylight in the morning.",
-        "Keep naps short.",
-    ],
-}
-CAPITALS = {
-    "France": "Paris",
-    "Japan": "Tokyo",
-    "Kenya": "Nairobi",
-    "Canada": "Ottawa",
-    "Brazil": "Brasilia",
-    "Norway": "Oslo",
-    "Egypt": "Cairo",
-    "India": "New Delhi",
-    "Peru": "Lima",
-    "Spain": "Madrid",
-    "Italy": "Rome",
-    "Chile": "Santiago",
-}
-PLANETS = {
-    "Mercury": "the closest planet to the Sun",
-    "Venus": "the hottest planet",
-    "Earth": "the only planet known to have life",
-    "Mars": "known as the red planet",
-    "Jupiter": "the largest planet",
-    "Saturn": "famous for its bright rings",
-    "Uranus": "tilted on its side",
-    "Neptune": "the farthest planet from the Sun",
-}
-GLOSSARY = {
-    "photosynthesis": "the process by which plants turn light, water and air into sugar",
-    "erosion": "the slow wearing away of rock and soil by water, wind or ice",
-    "democracy": "a system in which people choose their government by voting",
-    "gravity": "the force that pulls objects toward each other",
-    "recipe": "a set of instructions for preparing a dish",
-    "budget": "a plan for how to spend and save money",
-    "habitat": "the natural home of an animal or plant",
-    "friction": "the force that resists motion between two surfaces",
-    "metaphor": "a figure of speech that describes one thing as another",
-    "vaccine": "a substance that trains the body to fight a disease",
-    "orbit": "the curved path of an object around a star or planet",
-    "harvest": "the gathering of ripe crops from the fields",
-}
-UNITS = [
-    ("kilometers", "meters", 1000),
-    ("meters", "centimeters", 100),
-    ("hours", "minutes", 60),
-    ("minutes", "seconds", 60),
-    ("kilograms", "grams", 1000),
-    ("liters", "milliliters", 1000),
-    ("days", "hours", 24),
-    ("weeks", "days", 7),
-]
-THINGS = {
-    "things you might find in a kitchen": [
-        "spoon",
-        "kettle",
-        "bowl",
-        "knife",
-        "oven",
-        "plate",
-        "cup",
-        "pan",
-        "fork",
-        "jar",
-        "sink",
-        "towel",
-        "grater",
-        "ladle",
-        "sieve",
-        "tray",
-    ],
-    "things you might see in a park": [
-        "bench",
-        "tree",
-        "pond",
-        "kite",
-        "swing",
-        "dog",
-        "path",
-        "flower",
-        "fountain",
-        "squirrel",
-        "ball",
-        "bird",
-        "statue",
-        "gate",
-        "lamp",
-        "leaf",
-    ],
-    "things people take on a trip": [
-        "map",
-        "passport",
-        "jacket",
-        "camera",
-        "ticket",
-        "book",
-        "charger",
-        "umbrella",
-        "snack",
-        "hat",
-        "bag",
-        "wallet",
-        "phone",
-        "scarf",
-        "bottle",
-    ],
-    "jobs people do": [
-        "baker",
-        "nurse",
-        "pilot",
-        "farmer",
-        "teacher",
-        "painter",
-        "doctor",
-        "driver",
-        "writer",
-        "tailor",
-        "miner",
-        "sailor",
-        "chef",
-        "judge",
-        "guard",
-        "clerk",
-    ],
-    "musical instruments": [
-        "piano",
-        "violin",
-        "drum",
-        "flute",
-        "guitar",
-        "harp",
-        "trumpet",
-        "cello",
-        "banjo",
-        "oboe",
-        "organ",
-        "tuba",
-        "lute",
-        "horn",
-        "bell",
-        "fiddle",
-    ],
-    "words that describe the weather": [
-        "sunny",
-        "windy",
-        "cloudy",
-        "rainy",
-        "foggy",
-        "cold",
-        "warm",
-        "humid",
-        "stormy",
-        "calm",
-        "dry",
-        "misty",
-        "bright",
-        "grey",
-        "icy",
-        "mild",
-    ],
-}
-WORD_BANK = sorted(
-    set(
-        "amber anchor apple arrow autumn basket beach berry blanket boat bread breeze brick "
-        "bridge brook button cabin candle canyon carpet castle cedar chalk cherry cloud clover "
-        "coast comet copper coral cotton crystal daisy dawn desert dune eagle ember feather "
-        "fern field flame forest fossil garden glacier granite harbor hazel heather hill honey "
-        "island ivory jungle kettle lagoon lantern lava leaf lemon lily linen maple marble "
-        "meadow mirror moss mountain night oak ocean olive orchard pebble pepper pine planet "
-        "plum pond prairie quartz rain reef ribbon river robin rose saddle sand shadow shell "
-        "silk snow spark spice spring star stone storm stream summer sun thunder timber "
-        "tulip valley velvet village violet wave willow wind winter wool".split()
-    )
-)
-PET_NAMES = sorted(
-    set(
-        "Biscuit Pepper Mango Shadow Luna Milo Pixel Nugget Ziggy Olive Clover Bean Pickle "
-        "Maple Juniper Waffle Scout Rusty Tango Poppy Comet Noodle Pebble Ginger Sunny Fig "
-        "Hazel Bramble Cookie Dusty Echo Fudge Gizmo Honey Indigo Jasper Kiwi Lemon Mocha "
-        "Nova Oreo Peanut Quill Rocket Sage Toffee Velvet Willow Yeti Zephyr".split()
-    )
-)
-GAITS = ["great care", "quick steps", "calm grace", "sudden energy"]
-SHELTERS = ["hollow tree", "warm burrow", "quiet nest", "dry corner"]
-DURATIONS = ["all morning", "three days", "a whole week", "many tries"]
-NUMBER_WORDS = [
-    "zero",
-    "one",
-    "two",
-    "three",
-    "four",
-    "five",
-    "six",
-    "seven",
-    "eight",
-    "nine",
-    "ten",
-    "eleven",
-    "twelve",
-]
+
+def _entries(bank: str) -> list[str]:
+    """The entries of word bank ``bank`` (``words/<bank>.txt``, package data): one a line,
+    blank lines and ``#`` comments skipped."""
+    text = (resources.files("fedattr.data") / "words" / f"{bank}.txt").read_text(encoding="utf-8")
+    return [e for e in (line.strip() for line in text.splitlines()) if e and e[0] != "#"]
+
+
+def _groups(bank: str) -> dict[str, list[str]]:
+    """A bank of ``[heading]`` lines, each followed by its entries: heading -> entries."""
+    out: dict[str, list[str]] = {}
+    group: list[str] | None = None
+    for entry in _entries(bank):
+        if entry.startswith("[") and entry.endswith("]"):
+            group = out.setdefault(entry[1:-1], [])
+        elif group is None:
+            raise ValueError(f"words/{bank}.txt: {entry!r} comes before any [heading]")
+        else:
+            group.append(entry)
+    return out
+
+
+def _pairs(bank: str) -> dict[str, str]:
+    """A bank of ``key: value`` lines, in file order."""
+    out: dict[str, str] = {}
+    for entry in _entries(bank):
+        key, sep, value = entry.partition(": ")
+        if not sep:
+            raise ValueError(f"words/{bank}.txt: {entry!r} is not 'key: value'")
+        out[key] = value
+    return out
+
+
+# The vocabularies live in words/*.txt (package data); the generators below index and sample
+# them, so their order (file order, or sorted where noted) is part of what a seed produces.
+ANIMALS = _entries("animals")
+HABITATS = _entries("habitats")
+ADJECTIVES = _entries("adjectives")
+COLOURS = _entries("colours")
+FOODS = _entries("foods")
+NAMES = _entries("names")
+PLACES = _entries("places")
+ACTIVITIES = _groups("activities")
+CAPITALS = _pairs("capitals")
+PLANETS = _pairs("planets")
+GLOSSARY = _pairs("glossary")
+UNITS = [(big, small, int(f)) for big, small, f in (e.split() for e in _entries("units"))]
+THINGS = _groups("things")
+# Sorted and de-duplicated, so that the draws do not depend on how the file is ordered.
+WORD_BANK = sorted(set(_entries("word_bank")))
+PET_NAMES = sorted(set(_entries("pet_names")))
+GAITS = _entries("gaits")
+SHELTERS = _entries("shelters")
+DURATIONS = _entries("durations")
+NUMBER_WORDS = _entries("number_words")
+"""Spelled numbers: ``NUMBER_WORDS[n]`` spells ``n``."""
 
 
 def _arithmetic(r: random.Random) -> Record:

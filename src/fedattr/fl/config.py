@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config import check_choice
 from ..models.training import TrainSettings
 from .registry import STRATEGIES
 
@@ -30,10 +31,8 @@ class FLConfig:
             raise ValueError(f"fl.rounds: must be >= 1, got {self.rounds}")
         if not 0.0 < self.participation <= 1.0:
             raise ValueError(f"fl.participation: must be in (0, 1], got {self.participation}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(
-                f"fl.strategy: must be {' or '.join(STRATEGIES)}, got {self.strategy!r}"
-            )
+        # A registry, not a Literal: a plugin may add a strategy to STRATEGIES.
+        check_choice(self.strategy, STRATEGIES, "fl.strategy")
 
     @property
     def per_round(self) -> int:

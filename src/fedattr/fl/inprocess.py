@@ -9,7 +9,7 @@ from ..errors import UserError
 from ..models.lora import trainable_lora_parameters
 from ..models.text import Example
 from ..models.training import TrainSettings, train
-from ..secagg.base import SecureAggregator
+from ..secagg.aggregator import SecureAggregator
 from .node import scaled_update, train_seed
 from .pool import ClientPool, PlaintextTap
 from .progress import Progress

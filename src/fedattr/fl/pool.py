@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import UserError
-from ..secagg.base import SecureAggregator
+from ..secagg.aggregator import SecureAggregator
 from ..updates import Update
 from .aggregate import sa_scales
 from .progress import Progress

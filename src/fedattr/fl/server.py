@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..secagg.base import SecureAggregator
+from ..secagg.aggregator import SecureAggregator
 from ..updates import Update
 from .pool import ClientPool
 from .progress import Progress

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..config import check_client_ids
-from ..secagg.base import SecureAggregator
+from ..secagg.aggregator import SecureAggregator
 from .pool import ClientPool
 from .progress import Progress
 from .timing import Stopwatch

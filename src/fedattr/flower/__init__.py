@@ -3,7 +3,7 @@
 Install with ``pip install 'fedattr[flower]'`` (``flwr==1.41.0``, Python >= 3.11). The
 :data:`~fedattr.flower.server_app.app` ServerApp runs fedattr's round engine with a client pool
 whose clients are SuperNodes (:mod:`~fedattr.flower.pool`) and pairwise-mask secure aggregation
-whose parties are those clients (:class:`~fedattr.secagg.remote.RemoteMaskingServer`); the
+whose parties are those clients (:class:`~fedattr.secagg.remote_server.RemoteMaskingServer`); the
 :data:`~fedattr.flower.client_app.app` ClientApp trains locally, keeps its update in the node's
 state and answers each round's SA queries in one message. ``fedattr flower`` runs a whole
 federation on loopback processes (:mod:`~fedattr.flower.launch`).

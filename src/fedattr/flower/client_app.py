@@ -4,7 +4,7 @@ Three messages per round reach a client: ``train`` (the global state; the client
 its scaled update and a fresh X25519 key in the node's state, and answers with its public key,
 its update's layout and its loss: never the update), then one ``query.sa_batch`` per SA
 exchange (every query of the batch; the client checks each, see
-:class:`~fedattr.secagg.remote.MaskingParty`, and answers the ones it is a member of with one
+:class:`~fedattr.secagg.party.MaskingParty`, and answers the ones it is a member of with one
 masked vector each). ``query.register`` comes once per run with the configuration: the client
 builds its own data and reports its example count.
 
@@ -26,7 +26,8 @@ from ..data.records import Record
 from ..errors import UserError
 from ..fl.node import LLMClientNode, SyntheticClientNode
 from ..runtime import set_threads
-from ..secagg.remote import MaskingParty, QueryBatch
+from ..secagg.party import MaskingParty
+from ..secagg.wire import QueryBatch
 from ..updates import UpdateLayout
 from .records import arrays, config, config_of, record_state, unarrays
 

@@ -3,8 +3,8 @@
 :class:`FlowerLink` sends each step's messages to every addressed SuperNode at once and waits
 for the replies up to ``timeout`` seconds (a node that has not answered by then, or answered
 with an error, counts as not answering: its queries fail with nothing released, as in-process).
-It is the :class:`~fedattr.secagg.remote.Transport` of the run's
-:class:`~fedattr.secagg.remote.RemoteMaskingServer`.
+It is the :class:`~fedattr.secagg.transport.Transport` of the run's
+:class:`~fedattr.secagg.remote_server.RemoteMaskingServer`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 from ..errors import UserError
-from ..secagg.remote import BatchReply, QueryBatch
+from ..secagg.wire import BatchReply, QueryBatch
 from .records import config, state_record, unarrays
 
 Say = Callable[[str], None]
@@ -161,7 +161,7 @@ class FlowerLink:
         return {c: dict(r.content.config_records["fedattr"]) for c, r in replies.items()}
 
     def ask(self, batch: QueryBatch, recipients: Sequence[int]) -> dict[int, BatchReply]:
-        """The :class:`~fedattr.secagg.remote.Transport` call: one ``query.sa_batch`` per
+        """The :class:`~fedattr.secagg.transport.Transport` call: one ``query.sa_batch`` per
         recipient holding the whole batch."""
         fields: dict[str, Any] = {"round": batch.round, "queries": batch.plan_json()}
         fields.update({f"pk.{c}": key for c, key in batch.public_keys.items()})

@@ -10,8 +10,8 @@ from ..errors import UserError
 from ..fl.pool import ClientPool
 from ..fl.progress import Progress
 from ..fl.timing import Stopwatch
-from ..secagg.base import SecureAggregator
-from ..secagg.remote import RemoteMaskingServer
+from ..secagg.aggregator import SecureAggregator
+from ..secagg.remote_server import RemoteMaskingServer
 from .link import FlowerLink
 
 

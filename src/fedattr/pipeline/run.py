@@ -21,8 +21,8 @@ import torch
 from ..attribution.config import AttributionConfig
 from ..attribution.export import ExportObserver
 from ..attribution.observer import AttributionObserver
-from ..attribution.protocol import FedAttr, resolve_scorer_null
-from ..attribution.scoring import LinearScorer
+from ..attribution.protocol import FedAttr
+from ..attribution.scoring import KeyStatisticScorer, LinearScorer, ProbeScorer, scorer_null
 from ..attribution.stouffer import AttributionReport
 from ..baselines import BaselineRecorder, BaselineResult
 from ..baselines.observer import BaselineObserver
@@ -43,7 +43,7 @@ from ..reporting.markdown import run_report
 from ..reporting.run_folder import RunFolder
 from ..runtime import take_note
 from ..secagg import SecureAggregator, make_aggregator
-from ..watermarks.registry import WATERMARKS
+from ..watermarks.registry import WATERMARKS, DetectionSetup, Detector
 from .config import DemoConfig, RunConfig
 
 Say = Callable[[str], None]
@@ -185,12 +185,11 @@ def _finish(
             "by_statistic": rep.to_dict()["by_statistic"],
         }
     details = {**details, "work": dict(engine.timing.counts)}
-    kept = primary.fedattr.calibrated
-    changes = {f"{c}/{p}": W for c, parts in kept.W.items() for p, W in parts.items()}
+    changes, laws = primary.fedattr.statistic.changes()
     return RunResult(
         dataclasses.replace(cfg), primary.fedattr.report(truth), rounds, queries_of(primary.name),
         timing, engine.queries, primary.fedattr.null, details, list(baselines), variants,
-        changes, dict(kept.laws),
+        changes, laws,
     )  # fmt: skip
 
 
@@ -276,11 +275,13 @@ def run_experiment(
 
     background: ThreadPoolExecutor | None = None
 
-    def scorer_for(detector: str, reader: Any = model) -> Any:
-        stack = candidate_stacker(reader)
-        return kind.scorer(wm, reader, tokenizer, fed.owners, fed.detect_records,
-                           fed.detect_prompts, load_state, detector, cfg.data.max_len,
-                           stack)  # fmt: skip
+    def scorer_for(detector: Detector, reader: Any = model) -> Any:
+        setup = DetectionSetup(
+            config=wm, model=reader, tokenizer=tokenizer, owners=fed.owners,
+            detect_records=fed.detect_records, detect_prompts=fed.detect_prompts,
+            load_state=load_state, max_len=cfg.data.max_len, stack=candidate_stacker(reader),
+        )  # fmt: skip
+        return kind.scorer(setup, detector)
 
     if cfg.attribution.scoring == "owner":
         # The server holds no owner key: it exports each round for the owners to score.
@@ -305,14 +306,13 @@ def run_experiment(
         with timing.measure("baselines_s"):
             # FLForensics reads probes and the statistic under references (random keys,
             # decoys): the reading detector offers both, a greedy one may not.
-            complete = all(callable(getattr(scorer, m, None))
-                           for m in ("probe_values", "key_statistics"))  # fmt: skip
+            complete = isinstance(scorer, ProbeScorer) and isinstance(scorer, KeyStatisticScorer)
             probe = scorer if complete else scorer_for("reading")
             # Direct reads its per-round z as the paper's statistic does: FedAttr's null when
             # that is one, else (calibrated FedAttr) the scorer's own (empirical for FK).
             fedattr_null = attribution[0].fedattr.null
             direct_null = (fedattr_null if fedattr_null in ("empirical", "theoretical")
-                           else resolve_scorer_null(scorer))  # fmt: skip
+                           else scorer_null(scorer))  # fmt: skip
             recorder = BaselineRecorder(
                 scorer, probe, server.apply_estimate, server.scoring_params(state),
                 gamma=cfg.attribution.gamma, seed=cfg.fl.seed, null=direct_null,

@@ -8,13 +8,15 @@ objects (one per estimate) with a :class:`GroupAnswer` each.
 
 from __future__ import annotations
 
-from .base import GroupAnswer, Query, QueryGroup, QueryRecord, SecureAggregator
+from .aggregator import SecureAggregator
+from .batches import GroupAnswer, QueryGroup
 from .config import BACKENDS, SecAggConfig, make_aggregator
 from .errors import QueryFailed, QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
 from .pairwise_mask import PairwiseMaskAggregator
 from .plaintext import PlaintextAggregator
 from .policy import ReleasePolicy, SessionLedgers, joint_leakage
+from .queries import Query, QueryRecord
 from .two_server import TwoServerAggregator
 
 __all__ = [

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from .base import SecureAggregator
+from ..config import check_choice, check_literal
+from .aggregator import SecureAggregator
 from .errors import SecAggError
 from .fixedpoint import FixedPointCodec
 from .pairwise_mask import PairwiseMaskAggregator
 from .plaintext import PlaintextAggregator
-from .prg import PRG_NAMES
 from .two_server import TwoServerAggregator
 
 BACKENDS: dict[str, type[SecureAggregator]] = {
@@ -40,7 +41,7 @@ class SecAggConfig:
     """Fixed-point fractional bits (resolution 2^-(frac_bits+1))."""
     clip: float = 1024.0
     """Largest allowed |coordinate| of an update; larger is an error, not a silent clip."""
-    prg: str = "auto"
+    prg: Literal["aes-ctr", "chacha20", "auto"] = "auto"  # prg.PRG_NAMES, and auto
     """Mask generator: ``chacha20`` (any device; OpenSSL on the CPU, torch elsewhere, the same
     bits), ``aes-ctr`` (CPU only: OpenSSL with AES-NI, about 1.8x faster there), or ``auto``:
     ``aes-ctr`` where the in-process run masks on the CPU, ``chacha20`` on a GPU and in a
@@ -59,14 +60,9 @@ class SecAggConfig:
     (``inf`` = forbid exact recovery only). Enforced by the party that unmasks."""
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise SecAggError(
-                f"secagg.backend: unknown backend {self.backend!r}; allowed: {', '.join(BACKENDS)}"
-            )
-        if self.prg not in (*PRG_NAMES, "auto"):
-            raise SecAggError(
-                f"secagg.prg: unknown {self.prg!r}; allowed: {', '.join(PRG_NAMES)}, auto"
-            )
+        # A registry, not a Literal: a plugin may add a backend to BACKENDS.
+        check_choice(self.backend, BACKENDS, "secagg.backend", SecAggError)
+        check_literal(self, "secagg", SecAggError)
         if not isinstance(self.min_members, int) or self.min_members < 1:
             raise SecAggError(
                 f"secagg.min_members: must be an integer >= 1, got {self.min_members!r}"

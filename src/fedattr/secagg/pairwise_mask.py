@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from .base import SecureAggregator
+from .aggregator import SecureAggregator
 from .errors import QueryFailed, SecAggError
 from .fixedpoint import FixedPointCodec
 from .prg import PRG_NAMES, masked

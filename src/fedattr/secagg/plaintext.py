@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import SecureAggregator
+from .aggregator import SecureAggregator
 
 
 class PlaintextAggregator(SecureAggregator):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import SecureAggregator
+from .aggregator import SecureAggregator
 from .errors import QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
 from .policy import SessionLedgers

@@ -4,7 +4,9 @@ detection."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
+from ..config import check_choice, check_literal
 from .registry import WATERMARKS
 
 
@@ -34,18 +36,18 @@ class WatermarkConfig:
     """Prompts the teacher samples together (one ``generate`` call): on a GPU a step costs
     about the same for 32 rows as for 128, so larger batches write documents faster. Sampling
     draws differ with the batching, so the documents (and results) depend on it."""
-    detector: str = "reading"
+    detector: Literal["reading", "greedy"] = "reading"
     """``reading``: fedattr's teacher-forced tests of the change (KGW: ``KGWReadingScorer``;
     FK: ``FKLikelihoodScorer``, rank of the true value among decoys); ``greedy``: the paper's
     (KGW: greedy generations, z on green counts; FK: QA hit rates of greedy answers)."""
-    fk_writer: str = "template"
+    fk_writer: Literal["template", "teacher"] = "template"
     """FK documents: ``template`` (varied templates) or ``teacher`` (the model writes each
     document from templated facts; the share that keeps every target is reported)."""
     fk_questions: int = 25
     """Paraphrased QA probes per attribute for the greedy FK detector."""
     fk_reading_questions: int = 2
     """Questions per attribute read by the FK reading detector (its noise is in the decoys)."""
-    fk_statistic: str = "margin"
+    fk_statistic: Literal["margin", "rank"] = "margin"
     """FK reading detector: ``margin`` (the true value's log-probability margin over its
     decoys, in nats; FedAttr standardises it with the empirical null, ``attribution.null =
     "auto"``) or ``rank`` (exact rank test per attribute, Fisher; scale-free, so cross-talk
@@ -69,28 +71,15 @@ class WatermarkConfig:
     clients take their documents from it (a seeded draw per client) instead of the teacher."""
 
     def __post_init__(self) -> None:
-        if self.kind not in WATERMARKS:
-            raise ValueError(
-                f"watermark.kind: must be {' or '.join(WATERMARKS)}, got {self.kind!r}"
-            )
-        if self.fk_statistic not in ("rank", "margin"):
-            raise ValueError(
-                f"watermark.fk_statistic: must be rank or margin, got {self.fk_statistic!r}"
-            )
-        if self.fk_writer not in ("template", "teacher"):
-            raise ValueError(
-                f"watermark.fk_writer: must be template or teacher, got {self.fk_writer!r}"
-            )
+        # kind and scheme name registries (WATERMARKS, kgw.SCHEMES), which plugins may extend.
+        check_choice(self.kind, WATERMARKS, "watermark.kind")
+        check_literal(self, "watermark")
         if not 1 <= self.fk_questions <= 25 or not 1 <= self.fk_reading_questions <= 25:
             raise ValueError("watermark.fk_questions and fk_reading_questions: must be in 1..25")
         if self.fk_decoys < 1 or self.fk_answer_tokens < 1:
             raise ValueError("watermark.fk_decoys and fk_answer_tokens: must be >= 1")
         if not 0.0 < self.ratio <= 1.0:
             raise ValueError(f"watermark.ratio: must be in (0, 1], got {self.ratio}")
-        if self.detector not in ("reading", "greedy"):
-            raise ValueError(
-                f"watermark.detector: must be reading or greedy, got {self.detector!r}"
-            )
         if self.owners < 1:
             raise ValueError(f"watermark.owners: must be >= 1, got {self.owners}")
         if self.r < 0:
@@ -99,10 +88,7 @@ class WatermarkConfig:
             raise ValueError(f"watermark.gamma: must be in (0, 1), got {self.gamma}")
         from .kgw import SCHEMES
 
-        if self.scheme not in SCHEMES:
-            raise ValueError(
-                f"watermark.scheme: must be one of {', '.join(SCHEMES)}, got {self.scheme!r}"
-            )
+        check_choice(self.scheme, SCHEMES, "watermark.scheme")
         if self.teacher_batch < 1:
             raise ValueError(f"watermark.teacher_batch: must be >= 1, got {self.teacher_batch}")
         if self.detect_prompts < 1 or self.detect_max_new_tokens < 1:

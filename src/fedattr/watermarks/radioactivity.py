@@ -99,6 +99,9 @@ class KGWReadingScorer:
     sensitive than the difference of two greedy-generation z-scores on small models.
     """
 
+    null_valid = True
+    """A random key's green lists are exchangeable with the owner's (the calibrated null)."""
+
     def __init__(
         self,
         model,

@@ -9,7 +9,9 @@ its owner's documents), ``scorer`` (the detector, ``reading`` or ``greedy``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
@@ -22,7 +24,34 @@ from .knowledge import FKHitRateScorer, FKLikelihoodScorer
 from .radioactivity import KGWModelScorer, KGWReadingScorer
 from .teacher import watermark_records, write_fk_documents
 
+if TYPE_CHECKING:  # the config module validates kinds against this registry
+    from .config import WatermarkConfig
+
 Say = Callable[[str], None]
+Detector = Literal["reading", "greedy"]
+
+
+@dataclass(frozen=True)
+class DetectionSetup:
+    """What a kind's detector is built from (:meth:`WatermarkKind.scorer`)."""
+
+    config: WatermarkConfig
+    model: Any
+    """The model the detector reads (LoRA attached: candidates are loaded into it)."""
+    tokenizer: Any
+    owners: Mapping[str, Any]
+    """Owner name -> the owner's secret (a key scheme, or a fabricated entity)."""
+    detect_records: Sequence[Record]
+    """Held-out clean records the reading detector reads."""
+    detect_prompts: Sequence[str]
+    """Prompts the greedy detector generates from."""
+    load_state: Callable[[Any, Mapping], Any]
+    """How one candidate's parameters are loaded into ``model``."""
+    max_len: int
+    """Token limit of a read record (``data.max_len``)."""
+    stack: Callable[[Any, Sequence[Mapping]], AbstractContextManager] | None = None
+    """A context running several candidates' parameters in one forward pass, for detectors
+    that can use it (:func:`fedattr.models.lora.candidate_stacker`)."""
 
 
 class WatermarkKind:
@@ -32,25 +61,21 @@ class WatermarkKind:
     max_clients: ClassVar[int | None] = None
     """Most watermarked clients the kind supports (``None``: no limit)."""
 
-    def owners(self, wm, vocab_size: int, n_clients: int, clean_texts: Sequence[str]) -> dict:
+    def owners(self, wm: WatermarkConfig, vocab_size: int, n_clients: int,
+               clean_texts: Sequence[str]) -> dict:  # fmt: skip
         """Owner name -> the owner's secret (a key scheme, or a fabricated entity)."""
         raise NotImplementedError
 
     def documents(
-        self, wm, model, tokenizer, owner: str, secret: Any, client: int, shard: list[Record],
-        n: int, seed: int, say: Say,
+        self, wm: WatermarkConfig, model: Any, tokenizer: Any, owner: str, secret: Any,
+        client: int, shard: list[Record], n: int, seed: int, say: Say,
     ) -> tuple[list[Record], float | None]:  # fmt: skip
         """``n`` of ``client``'s records replaced by its owner's documents (some may be dropped),
         and the share of them carrying every target (FK) or ``None``."""
         raise NotImplementedError
 
-    def scorer(
-        self, wm, model, tokenizer, owners: Mapping[str, Any], detect_records: Sequence[Record],
-        detect_prompts: Sequence[str], load: Callable, detector: str, max_len: int,
-        stack: Callable | None = None,
-    ) -> Any:  # fmt: skip
-        """The detector over every owner's secret. ``stack(model, states)``: a context that runs
-        several candidates' parameters in one forward pass, for detectors that can use it."""
+    def scorer(self, setup: DetectionSetup, detector: Detector) -> Any:
+        """The detector (``watermark.detector``) over every owner's secret."""
         raise NotImplementedError
 
 
@@ -87,16 +112,16 @@ class KGW(WatermarkKind):
         )  # fmt: skip
         return docs, None
 
-    def scorer(self, wm, model, tokenizer, owners, detect_records, detect_prompts, load,
-               detector, max_len, stack=None):  # fmt: skip
+    def scorer(self, setup: DetectionSetup, detector: Detector) -> Any:
+        s, wm = setup, setup.config
         if detector == "greedy":
             return KGWModelScorer(
-                model, tokenizer, detect_prompts, owners, load,
+                s.model, s.tokenizer, s.detect_prompts, s.owners, s.load_state,
                 max_new_tokens=wm.detect_max_new_tokens, dedupe=wm.dedupe,
             )  # fmt: skip
-        examples = encode_examples(tokenizer, detect_records, max_len)
-        return KGWReadingScorer(model, examples, owners, load, pad_id=tokenizer.pad_token_id,
-                                stack=stack)  # fmt: skip
+        examples = encode_examples(s.tokenizer, s.detect_records, s.max_len)
+        return KGWReadingScorer(s.model, examples, s.owners, s.load_state,
+                                pad_id=s.tokenizer.pad_token_id, stack=s.stack)  # fmt: skip
 
 
 class FictitiousKnowledge(WatermarkKind):
@@ -123,15 +148,15 @@ class FictitiousKnowledge(WatermarkKind):
             docs = template_documents(secret, n, seed)
         return docs, target_share(docs, secret)
 
-    def scorer(self, wm, model, tokenizer, owners, detect_records, detect_prompts, load,
-               detector, max_len, stack=None):  # fmt: skip
+    def scorer(self, setup: DetectionSetup, detector: Detector) -> Any:
+        s, wm = setup, setup.config
         if detector == "greedy":
             return FKHitRateScorer(
-                model, tokenizer, owners, load, questions=wm.fk_questions,
+                s.model, s.tokenizer, s.owners, s.load_state, questions=wm.fk_questions,
                 max_new_tokens=wm.fk_answer_tokens,
             )  # fmt: skip
         return FKLikelihoodScorer(
-            model, tokenizer, owners, load, questions=wm.fk_reading_questions,
+            s.model, s.tokenizer, s.owners, s.load_state, questions=wm.fk_reading_questions,
             statistic=wm.fk_statistic,
         )  # fmt: skip
 

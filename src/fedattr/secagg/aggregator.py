@@ -1,20 +1,16 @@
-"""The one interface every secure-aggregation backend implements.
+"""The one interface every secure-aggregation backend implements: :class:`SecureAggregator`.
 
 Per round: the server opens the round with the participating client ids, each client submits
-its update, and the server may then ask only for subset sums ``S(W) = sum_{j in W} Delta_j``
-with ``|W| >= min_members``, or for one *fused* combination ``sum_j (c_j / d) Delta_j`` with
-integer ``c_j`` over at least ``min_members`` clients (FedAttr's estimate in one SA session, so
-the 2M subset sums behind it are never released). Every answered query is logged with its
-coefficients (never its result) for overhead accounting and privacy audits.
-
-:meth:`SecureAggregator.run_queries` answers a batch of :class:`QueryGroup` objects (the queries
-behind one estimate each, with fall-back alternatives) on top of the single-query methods; a
-runtime whose clients live elsewhere can override it to send each client one message per round.
+its update, and the server may then ask only for subset sums over at least ``min_members``
+clients, or for one fused combination over at least ``min_members`` clients (the query types
+are in :mod:`~fedattr.secagg.queries`, batches of them in :mod:`~fedattr.secagg.batches`).
+Every answered query is logged as a :class:`~fedattr.secagg.queries.QueryRecord`.
 
 Backends implement three hooks (``_receive``, ``_combine``, ``_drop_round``); this base class
-owns round bookkeeping, query validation, layouts and logging, so all backends refuse exactly
-the same queries with exactly the same messages. An optional :class:`ReleasePolicy` is enforced
-by ``_authorize``, which real backends override so that the party that unmasks enforces it.
+owns round bookkeeping, query validation, layouts, the query log and SA sessions, so all
+backends refuse exactly the same queries with exactly the same messages. An optional
+:class:`~fedattr.secagg.policy.ReleasePolicy` is enforced by ``_authorize``, which real
+backends override so that the party that unmasks enforces it.
 """
 
 from __future__ import annotations
@@ -23,114 +19,21 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from ..updates import Update, UpdateLayout
+from .batches import GroupAnswer, QueryGroup, answer_group, check_groups
 from .errors import QueryFailed, QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
 from .policy import ReleasePolicy, SessionLedgers
+from .queries import Query, QueryRecord
 
 if TYPE_CHECKING:
     from typing import Self
 
     from .config import SecAggConfig
-
-
-@dataclass(frozen=True)
-class QueryRecord:
-    """One answered subset-sum query.
-
-    ``bytes_moved`` counts the protocol messages of the query (masked inputs, partial sums);
-    ``seconds`` is the wall time of the whole query in this process; ``client_seconds_max`` is
-    the slowest member's own computation, i.e. the query's latency when clients run in parallel.
-    """
-
-    round: int
-    query_id: int
-    subset: tuple[int, ...]
-    bytes_moved: int
-    seconds: float
-    client_seconds_max: float = 0.0
-    coefficients: tuple[int, ...] = ()
-    """Integer weight of each member of ``subset`` (all 1 for a subset sum)."""
-    denominator: int = 1
-    session: str = ""
-    """The SA session that asked (an attribution configuration's name; ``""``: none)."""
-
-    def to_dict(self) -> dict:
-        """JSON-ready form."""
-        d = asdict(self)
-        d["subset"] = list(self.subset)
-        d["coefficients"] = list(self.coefficients or (1,) * len(self.subset))
-        return d
-
-
-@dataclass(frozen=True)
-class Query:
-    """One SA query: ``sum_j (coefficients[j] / denominator) * Delta_j``.
-
-    All coefficients 1 with denominator 1 is a subset sum (answered by
-    :meth:`SecureAggregator.subset_sum_flat`); anything else is a fused combination (answered
-    by :meth:`SecureAggregator.combination_flat`, which validates coefficients and denominator).
-    """
-
-    coefficients: Mapping[int, int]
-    """Client id -> integer coefficient (stored as a plain dict)."""
-    denominator: int = 1
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "coefficients", dict(self.coefficients))
-
-    @classmethod
-    def subset(cls, members: Iterable[int]) -> Query:
-        """The subset sum over ``members`` (every coefficient 1)."""
-        ids = [int(c) for c in members]
-        if len(set(ids)) != len(ids):
-            raise SecAggError(f"Query.subset: duplicate client ids in {ids}")
-        return cls(dict.fromkeys(ids, 1))
-
-    @property
-    def is_subset(self) -> bool:
-        """True when this query is a plain subset sum (all coefficients 1, denominator 1)."""
-        return (
-            type(self.denominator) is int
-            and self.denominator == 1
-            and all(isinstance(v, (int, np.integer)) and v == 1 for v in self.coefficients.values())
-        )
-
-
-@dataclass
-class QueryGroup:
-    """The queries behind one estimate.
-
-    ``alternatives`` are tried in order: the SA layer answers the first alternative whose first
-    query is admitted (by validation and the release policy) and runs that alternative's queries
-    in order.
-    """
-
-    alternatives: list[list[Query]]
-
-
-@dataclass
-class GroupAnswer:
-    """What :meth:`SecureAggregator.run_queries` did with one :class:`QueryGroup`."""
-
-    results: list[np.ndarray] | None
-    """Flat float64 result per query of the answered alternative; ``None`` if no alternative
-    was answered in full."""
-    chosen: int | None
-    """Index of the answered alternative (``None`` when ``results`` is ``None``)."""
-    refusals: int = 0
-    """Alternatives refused before any of their queries ran."""
-    missing: tuple[int, ...] = ()
-    """Members that failed to answer (:class:`QueryFailed`); the group stopped there."""
-    error: str | None = None
-    """Message of the last refusal or failure."""
-    seconds: float = 0.0
-    """Wall time spent on this group."""
 
 
 class SecureAggregator(ABC):
@@ -286,43 +189,8 @@ class SecureAggregator(ABC):
         Anything else propagates. The default runs the queries one at a time in this process;
         a runtime with remote clients may override it to batch each round's messages.
         """
-        self._check_groups(groups)
-        return [self._answer_group(group) for group in groups]
-
-    @staticmethod
-    def _check_groups(groups: Sequence[QueryGroup]) -> None:
-        for g, group in enumerate(groups):
-            if not isinstance(group, QueryGroup):
-                raise SecAggError(
-                    f"run_queries: groups[{g}] is a {type(group).__name__}, not a QueryGroup"
-                )
-            if not group.alternatives:
-                raise SecAggError(f"run_queries: groups[{g}] has no alternatives")
-            for a, alternative in enumerate(group.alternatives):
-                if not alternative:
-                    raise SecAggError(f"run_queries: groups[{g}].alternatives[{a}] is empty")
-
-    def _answer_group(self, group: QueryGroup) -> GroupAnswer:
-        start = time.perf_counter()
-        answer = GroupAnswer(results=None, chosen=None)
-        for index, alternative in enumerate(group.alternatives):
-            results: list[np.ndarray] = []
-            try:
-                for query in alternative:
-                    results.append(self._run_query(query))
-            except QueryRefused as exc:
-                answer.error = str(exc)
-                if results:  # refused after part of the alternative ran: stop the group
-                    break
-                answer.refusals += 1
-                continue
-            except QueryFailed as exc:
-                answer.error, answer.missing = str(exc), tuple(exc.missing)
-                break
-            answer.results, answer.chosen = results, index
-            break
-        answer.seconds = time.perf_counter() - start
-        return answer
+        check_groups(groups)
+        return [answer_group(group, self._run_query) for group in groups]
 
     def _admit(self, query: Query) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """``query`` validated as the single-query methods validate it: (sorted members, their

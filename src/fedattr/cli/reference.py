@@ -7,8 +7,8 @@ and their sections: every key's type, its default as a run resolves it, and the 
 after the field in the source). ``tests/test_docs.py`` fails when the checked-in pages differ
 from what this module renders. Regenerate them from the repository root with::
 
-    python -m fedattr.reporting.reference           # writes docs/reference/{cli,configuration}.md
-    python -m fedattr.reporting.reference --check   # exit 1 if they are out of date
+    python -m fedattr.cli.reference           # writes docs/reference/{cli,configuration}.md
+    python -m fedattr.cli.reference --check   # exit 1 if they are out of date
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-REGENERATE = "python -m fedattr.reporting.reference"
+REGENERATE = "python -m fedattr.cli.reference"
 """The command that rewrites the generated pages (named in their header and in test failures)."""
 
 CLI_PAGE = "cli.md"
@@ -181,7 +181,7 @@ def _anchor(heading: str) -> str:
 def render_cli(parser: argparse.ArgumentParser | None = None) -> str:
     """``docs/reference/cli.md``: every command of ``fedattr``, its options and defaults."""
     if parser is None:
-        from ..cli import build_parser
+        from . import build_parser
 
         parser = build_parser()
     commands = list(_walk(parser.prog, parser.description or "", parser))
@@ -421,7 +421,7 @@ def stale(folder: Path) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Write (or with ``--check``, compare) the generated reference pages."""
-    ap = argparse.ArgumentParser(prog="python -m fedattr.reporting.reference",
+    ap = argparse.ArgumentParser(prog="python -m fedattr.cli.reference",
                                  description="Regenerate docs/reference/cli.md and "
                                  "docs/reference/configuration.md from the code.")  # fmt: skip
     ap.add_argument("--out", type=Path, help="folder (default: docs/reference of this checkout)")

@@ -1,0 +1,95 @@
+"""Batches of queries: one :class:`QueryGroup` per estimate, with fall-back alternatives.
+
+:meth:`~fedattr.secagg.SecureAggregator.run_queries` answers a batch of groups (the queries
+behind one estimate each) with a :class:`GroupAnswer` each. Which alternative a group gets is
+decided by validation and the release policy: the first one whose first query is admitted.
+:func:`answer_group` is that rule run one query at a time (the default of every backend); a
+runtime whose clients live elsewhere plans the same choices and sends each client one message
+per round instead (:class:`~fedattr.secagg.remote_server.RemoteMaskingServer`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import QueryFailed, QueryRefused, SecAggError
+from .queries import Query
+
+
+@dataclass
+class QueryGroup:
+    """The queries behind one estimate.
+
+    ``alternatives`` are tried in order: the SA layer answers the first alternative whose first
+    query is admitted (by validation and the release policy) and runs that alternative's queries
+    in order.
+    """
+
+    alternatives: list[list[Query]]
+
+
+@dataclass
+class GroupAnswer:
+    """What :meth:`~fedattr.secagg.SecureAggregator.run_queries` did with one
+    :class:`QueryGroup`."""
+
+    results: list[np.ndarray] | None
+    """Flat float64 result per query of the answered alternative; ``None`` if no alternative
+    was answered in full."""
+    chosen: int | None
+    """Index of the answered alternative (``None`` when ``results`` is ``None``)."""
+    refusals: int = 0
+    """Alternatives refused before any of their queries ran."""
+    missing: tuple[int, ...] = ()
+    """Members that failed to answer (:class:`QueryFailed`); the group stopped there."""
+    error: str | None = None
+    """Message of the last refusal or failure."""
+    seconds: float = 0.0
+    """Wall time spent on this group."""
+
+
+def check_groups(groups: Sequence[QueryGroup]) -> None:
+    """Refuse a malformed batch before any of its queries runs (a caller's bug, not a refusal)."""
+    for g, group in enumerate(groups):
+        if not isinstance(group, QueryGroup):
+            raise SecAggError(
+                f"run_queries: groups[{g}] is a {type(group).__name__}, not a QueryGroup"
+            )
+        if not group.alternatives:
+            raise SecAggError(f"run_queries: groups[{g}] has no alternatives")
+        for a, alternative in enumerate(group.alternatives):
+            if not alternative:
+                raise SecAggError(f"run_queries: groups[{g}].alternatives[{a}] is empty")
+
+
+def answer_group(group: QueryGroup, run_query: Callable[[Query], np.ndarray]) -> GroupAnswer:
+    """Answer ``group`` one query at a time with ``run_query`` (a single-query SA call).
+
+    :class:`QueryRefused` on an alternative's first query counts a refusal and moves on to the
+    next alternative; on a later query it stops the group. :class:`QueryFailed` stops the group
+    with ``missing`` set. Anything else propagates.
+    """
+    start = time.perf_counter()
+    answer = GroupAnswer(results=None, chosen=None)
+    for index, alternative in enumerate(group.alternatives):
+        results: list[np.ndarray] = []
+        try:
+            for query in alternative:
+                results.append(run_query(query))
+        except QueryRefused as exc:
+            answer.error = str(exc)
+            if results:  # refused after part of the alternative ran: stop the group
+                break
+            answer.refusals += 1
+            continue
+        except QueryFailed as exc:
+            answer.error, answer.missing = str(exc), tuple(exc.missing)
+            break
+        answer.results, answer.chosen = results, index
+        break
+    answer.seconds = time.perf_counter() - start
+    return answer

@@ -1,0 +1,122 @@
+"""The layers the code keeps: data flows one way, and no module imports from a later stage.
+
+Every import in ``src/fedattr`` is read with ``ast`` (lazy ones inside functions included) and
+checked against the stage of the importing package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+# Stage of each top-level part of the package: a module may import its own package and any
+# package of a lower stage; packages of one stage do not import each other.
+STAGES: dict[str, int] = {
+    "__init__": 0, "errors": 0,
+    "runtime": 1, "updates": 1, "config": 1,
+    "secagg": 2, "data": 2,
+    "models": 3,
+    "watermarks": 4,
+    "fl": 5,
+    "attribution": 6,
+    "baselines": 7,
+    "reporting": 8,
+    "pipeline": 9,
+    "experiments": 10, "flower": 10, "owner": 10,
+    "cli": 11,
+    "__main__": 12,
+}  # fmt: skip
+
+
+def _part(module: str) -> str:
+    """``fedattr.attribution.offline`` -> ``attribution``; ``fedattr`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _module_of(path: Path, src: Path) -> tuple[str, str]:
+    """The module name of ``path`` and the package its relative imports start from."""
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+        return ".".join(parts), ".".join(parts)
+    return ".".join(parts), ".".join(parts[:-1])
+
+
+def _is_module(src: Path, module: str) -> bool:
+    path = src.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports_of(path: Path, src: Path) -> list[tuple[int, str]]:
+    """Every ``fedattr`` module ``path`` imports, with its line, wherever the import stands."""
+    _, package = _module_of(path, src)
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+                # ``from . import x``: x may be a module of that package, or a name in it.
+                names = [target] if node.module else [
+                    f"{target}.{a.name}" if _is_module(src, f"{target}.{a.name}") else target
+                    for a in node.names
+                ]
+            else:
+                names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out += [(node.lineno, n) for n in names if n == "fedattr" or n.startswith("fedattr.")]
+    return out
+
+
+def violations(src: Path) -> list[str]:
+    """Imports from a later stage or a sibling package of the same stage, one line each."""
+    found = []
+    for path in sorted((src / "fedattr").rglob("*.py")):
+        module, _ = _module_of(path, src)
+        here = _part(module)
+        if here not in STAGES:
+            found.append(f"{path.relative_to(src)}: package {here!r} has no stage in STAGES")
+            continue
+        for line, target in imports_of(path, src):
+            there = _part(target)
+            if there == here or there == "__init__":
+                continue
+            if there not in STAGES or STAGES[there] >= STAGES[here]:
+                found.append(f"{path.relative_to(src)}:{line}: {module} ({here}, stage "
+                             f"{STAGES[here]}) imports {target} ({there}, stage "
+                             f"{STAGES.get(there)})")  # fmt: skip
+    return found
+
+
+def test_no_module_imports_from_a_later_stage():
+    assert violations(SRC) == []
+
+
+def test_every_package_has_a_stage():
+    parts = {p.stem if p.is_file() else p.name for p in (SRC / "fedattr").iterdir()
+             if (p.suffix == ".py") or (p / "__init__.py").is_file()}  # fmt: skip
+    assert parts == set(STAGES)
+
+
+def test_a_planted_back_import_is_caught_lazy_or_relative(tmp_path):
+    pkg = tmp_path / "fedattr"
+    for sub in ("attribution", "owner", "secagg", "data"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "owner" / "score.py").write_text("from ..attribution import protocol\n")
+    (pkg / "attribution" / "offline.py").write_text(
+        "def attribute():\n    from ..owner.score import x\n    import fedattr.owner\n"
+    )
+    (pkg / "secagg" / "base.py").write_text("from ..data import corpus\n")
+    found = violations(tmp_path)
+    assert len(found) == 3, found
+    assert sum("fedattr.attribution.offline (attribution, stage 6) imports fedattr.owner" in f
+               for f in found) == 2  # fmt: skip
+    assert any("imports fedattr.data (data, stage 2)" in f for f in found)  # same stage
