@@ -198,3 +198,13 @@ def test_hardened_rounds_keep_cross_talk_so_their_clients_are_not_named_by_defau
         assert rep.cross_talk and all(not c.calibrated for c in rep.clients if c.id in
                                       rep.cross_talk)  # fmt: skip
         assert bool(rep.flagged) is ask
+
+
+def test_llm_calibration_runs_draw_their_own_owner_keys():
+    """Family-wise error is over random keys: runs sharing one key would all measure its luck."""
+    from fedattr.experiments.calibration import CalibrationSpec
+
+    spec = CalibrationSpec(bed="tiny", seeds=(0, 1))
+    a, b = spec.run_config(0, 0), spec.run_config(0, 1)
+    assert a.watermark.key_seed != b.watermark.key_seed
+    assert (a.fl.seed, a.data.seed) != (b.fl.seed, b.data.seed)

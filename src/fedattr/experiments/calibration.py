@@ -74,8 +74,11 @@ class CalibrationSpec:
             sets += [f"synthetic.r={r}", f"synthetic.seed={seed}", f"attribution.seed={seed}",
                      f"secagg.seed={seed}", *self.overrides]  # fmt: skip
             return load(DemoConfig, self.config, sets)
+        # Each run draws its own owner keys: the family-wise rate is over random keys, and runs
+        # that shared one key would all measure that one key's luck.
         sets += [f"watermark.r={r}", f"fl.seed={seed}", f"data.seed={seed}",
-                 f"attribution.seed={seed}", *self.overrides]  # fmt: skip
+                 f"watermark.key_seed={seed}", f"attribution.seed={seed}",
+                 *self.overrides]  # fmt: skip
         return load(RunConfig, self.config, sets)
 
 
