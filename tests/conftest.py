@@ -77,9 +77,22 @@ def markllm_target(tmp_path_factory):
 
     target = tmp_path_factory.mktemp("markllm")
     try:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                        "--target", str(target), "markllm==0.1.5"],
-                       check=True, capture_output=True, timeout=180)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(target),
+                "markllm==0.1.5",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=180,
+        )
     except (subprocess.SubprocessError, OSError) as exc:
         pytest.skip(f"markllm could not be installed here: {exc}")
     return target

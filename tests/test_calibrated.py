@@ -15,21 +15,30 @@ from fedattr.pipeline.config import DemoConfig, RunConfig
 from fedattr.pipeline.run import run_demo
 
 PAPER = 'variants=[{"name": "paper", "statistic": "paper"}]'
-REALISTIC = ["synthetic.common=1.0", "synthetic.heterogeneity=0.5", "synthetic.dim=256",
-             "secagg.backend=plaintext", PAPER]  # fmt: skip
+REALISTIC = [
+    "synthetic.common=1.0",
+    "synthetic.heterogeneity=0.5",
+    "synthetic.dim=256",
+    "secagg.backend=plaintext",
+    PAPER,
+]
 
 
 def _null_p(seeds, r):
     """Null p-values of both statistics on the bed that fails like a real model."""
     cal, paper = [], []
     for seed in seeds:
-        cfg = load(DemoConfig, None, [*REALISTIC, f"synthetic.r={r}", f"synthetic.seed={seed}",
-                                      f"attribution.seed={seed}"])  # fmt: skip
+        cfg = load(
+            DemoConfig,
+            None,
+            [*REALISTIC, f"synthetic.r={r}", f"synthetic.seed={seed}", f"attribution.seed={seed}"],
+        )
         res = run_demo(cfg, progress=lambda _m: None)
         clean = [c for c in res.report.clients if not c.watermarked]
         cal += [c.p for c in clean]
-        paper += [float(norm.sf(c["Z"])) for c in res.variants["paper"]["clients"]
-                  if not c["watermarked"]]  # fmt: skip
+        paper += [
+            float(norm.sf(c["Z"])) for c in res.variants["paper"]["clients"] if not c["watermarked"]
+        ]
     return np.array(cal), np.array(paper)
 
 
@@ -72,11 +81,19 @@ def test_decorrelation_recovers_each_clients_own_change():
         assert got == pytest.approx(want, rel=1e-4, abs=1e-4)
         # The round's displayed statistic is the owner's value, with unit null variance.
         assert shown[i][DEFAULT_STATISTIC] == pytest.approx(
-            float(scorer.direction.numpy() @ want), rel=1e-4, abs=1e-4)
+            float(scorer.direction.numpy() @ want), rel=1e-4, abs=1e-4
+        )
     # Without decorrelation the SA mean's change is the centre (hardened mode's case).
     plain = CalibratedNull(decorrelate=False, null_keys=0)
-    plain.add_round(1, list(range(K)), list(range(K)), designs, changes,
-                    {DEFAULT_STATISTIC: torch.tensor(Y.mean(0))}, scorer)  # fmt: skip
+    plain.add_round(
+        1,
+        list(range(K)),
+        list(range(K)),
+        designs,
+        changes,
+        {DEFAULT_STATISTIC: torch.tensor(Y.mean(0))},
+        scorer,
+    )
     assert not plain.decorrelated[1]
 
 
@@ -92,8 +109,14 @@ def test_the_verdict_reads_the_exact_tail_of_the_summed_change():
     weak = torch.tensor(rng.normal(size=dim))
     for cid, W in ((0, strong), (1, weak)):
         W = W * np.sqrt(dim) / W.norm()
-        null.add(1, cid, {DEFAULT_STATISTIC: W}, scorer.owner_values(DEFAULT_STATISTIC, W),
-                 laws, {DEFAULT_STATISTIC: DEFAULT_STATISTIC})  # fmt: skip
+        null.add(
+            1,
+            cid,
+            {DEFAULT_STATISTIC: W},
+            scorer.owner_values(DEFAULT_STATISTIC, W),
+            laws,
+            {DEFAULT_STATISTIC: DEFAULT_STATISTIC},
+        )
     rep = null.report({0: True, 1: False})
     by = {c.id: c for c in rep.clients}
     assert by[0].tail == "exact" and by[0].flagged and by[0].p < 1e-6
@@ -104,8 +127,14 @@ def test_the_verdict_reads_the_exact_tail_of_the_summed_change():
     from fedattr.watermarks.tail import Directions
 
     with pytest.raises(UserError, match="another key law"):
-        null.add(2, 0, {DEFAULT_STATISTIC: strong}, {DEFAULT_STATISTIC: 1.0},
-                 {DEFAULT_STATISTIC: Directions(3)}, {DEFAULT_STATISTIC: DEFAULT_STATISTIC})
+        null.add(
+            2,
+            0,
+            {DEFAULT_STATISTIC: strong},
+            {DEFAULT_STATISTIC: 1.0},
+            {DEFAULT_STATISTIC: Directions(3)},
+            {DEFAULT_STATISTIC: DEFAULT_STATISTIC},
+        )
 
 
 def test_an_uncalibrated_detector_is_reported_but_names_no_one_unless_asked():
@@ -114,8 +143,15 @@ def test_an_uncalibrated_detector_is_reported_but_names_no_one_unless_asked():
         null = CalibratedNull(alpha=0.05, null_keys=0, name_uncalibrated=ask)
         scorer = LinearScorer(torch.tensor(rng.normal(size=20)))
         W = 5 * scorer.direction / scorer.direction.norm() * np.sqrt(20)
-        null.add(1, 0, {DEFAULT_STATISTIC: W}, scorer.owner_values(DEFAULT_STATISTIC, W),
-                 scorer.key_laws(), {DEFAULT_STATISTIC: DEFAULT_STATISTIC}, valid=False)
+        null.add(
+            1,
+            0,
+            {DEFAULT_STATISTIC: W},
+            scorer.owner_values(DEFAULT_STATISTIC, W),
+            scorer.key_laws(),
+            {DEFAULT_STATISTIC: DEFAULT_STATISTIC},
+            valid=False,
+        )
         rep = null.report({0: True})
         assert rep.uncalibrated == [DEFAULT_STATISTIC] and not rep.clients[0].calibrated
         assert rep.clients[0].p < 1e-3 and rep.clients[0].flagged is ask
@@ -134,11 +170,28 @@ def test_calibrated_needs_a_detector_with_random_keys():
 
 def test_calibration_command_writes_its_files_and_resumes(tmp_path, capsys):
     out = tmp_path / "cal"
-    args = ["experiment", "calibration", "--seeds", "0-2", "--r", "0,3", "--out", str(out),
-            "--set", "synthetic.dim=64", "--set", "secagg.backend=plaintext"]  # fmt: skip
+    args = [
+        "experiment",
+        "calibration",
+        "--seeds",
+        "0-2",
+        "--r",
+        "0,3",
+        "--out",
+        str(out),
+        "--set",
+        "synthetic.dim=64",
+        "--set",
+        "secagg.backend=plaintext",
+    ]
     assert main(args) == 0
-    assert {p.name for p in out.iterdir()} >= {"calibration.json", "calibration.md", "qq.png",
-                                              "r0-seed0", "r3-seed2"}  # fmt: skip
+    assert {p.name for p in out.iterdir()} >= {
+        "calibration.json",
+        "calibration.md",
+        "qq.png",
+        "r0-seed0",
+        "r3-seed2",
+    }
     md = (out / "calibration.md").read_text()
     assert "| calibrated | 51 |" in md and "| paper | 51 |" in md  # 30 + 3 x 7 null pairs
     before = (out / "r0-seed1" / "results.json").read_bytes()
@@ -159,8 +212,10 @@ def test_token_centring_removes_drift_no_key_sees_and_keeps_the_null_exact():
     designs = [draw_design(range(K), i, 3, 3, rng) for i in range(K)]
     drift = np.zeros(V)
     drift[:4] = 5.0  # every context moves mass to the same few tokens
-    changes = [{"p": torch.tensor(rng.normal(size=(rows, V)) + (3 * drift if i == 0 else 0))}
-               for i in range(K)]  # fmt: skip
+    changes = [
+        {"p": torch.tensor(rng.normal(size=(rows, V)) + (3 * drift if i == 0 else 0))}
+        for i in range(K)
+    ]
     laws = {"p": RowSubsets(16, V)}
     plain, _ = standardise_round(range(K), range(K), designs, changes, None, laws, False)
     kept, _ = standardise_round(range(K), range(K), designs, changes, None, laws, False, True)
@@ -173,8 +228,18 @@ def test_token_centring_removes_drift_no_key_sees_and_keeps_the_null_exact():
 
 
 def test_calibration_in_parallel_processes_gives_the_same_runs_and_family_wise_counts(tmp_path):
-    common = ["experiment", "calibration", "--seeds", "0-2", "--r", "0,3",
-              "--set", "synthetic.dim=64", "--set", "secagg.backend=plaintext"]  # fmt: skip
+    common = [
+        "experiment",
+        "calibration",
+        "--seeds",
+        "0-2",
+        "--r",
+        "0,3",
+        "--set",
+        "synthetic.dim=64",
+        "--set",
+        "secagg.backend=plaintext",
+    ]
     assert main([*common, "--out", str(tmp_path / "one")]) == 0
     assert main([*common, "--jobs", "2", "--out", str(tmp_path / "two")]) == 0
     import json
@@ -191,12 +256,22 @@ def test_calibration_in_parallel_processes_gives_the_same_runs_and_family_wise_c
 
 def test_hardened_rounds_keep_cross_talk_so_their_clients_are_not_named_by_default():
     for ask in (False, True):
-        cfg = load(DemoConfig, None, [*REALISTIC, "synthetic.seed=0", "synthetic.r=3",
-                                      "synthetic.signal=6", "attribution.mode=hardened",
-                                      f"attribution.name_uncalibrated={str(ask).lower()}"])
+        cfg = load(
+            DemoConfig,
+            None,
+            [
+                *REALISTIC,
+                "synthetic.seed=0",
+                "synthetic.r=3",
+                "synthetic.signal=6",
+                "attribution.mode=hardened",
+                f"attribution.name_uncalibrated={str(ask).lower()}",
+            ],
+        )
         rep = run_demo(cfg, progress=lambda _m: None).report
-        assert rep.cross_talk and all(not c.calibrated for c in rep.clients if c.id in
-                                      rep.cross_talk)  # fmt: skip
+        assert rep.cross_talk and all(
+            not c.calibrated for c in rep.clients if c.id in rep.cross_talk
+        )
         assert bool(rep.flagged) is ask
 
 

@@ -194,9 +194,13 @@ def test_output_into_a_closed_pipe_ends_quietly():
     read, write = os.pipe()
     os.close(read)  # the reader is gone before a byte is written
     try:
-        done = subprocess.run([sys.executable, "-m", "fedattr", "privacy", "--K", "10",
-                               "--trials", "100", "--json"], stdout=write,
-                              stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "fedattr", "privacy", "--K", "10", "--trials", "100", "--json"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.close(write)
     assert done.returncode == 141 and done.stderr == ""

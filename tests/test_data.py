@@ -27,8 +27,11 @@ def test_word_banks_load_from_package_data():
     from fedattr.data import corpus
 
     files = [f.name for f in (resources.files("fedattr.data") / "words").iterdir()]
-    banks = {name.removesuffix(".txt").upper(): getattr(corpus, name.removesuffix(".txt").upper())
-             for name in files if name.endswith(".txt")}  # fmt: skip
+    banks = {
+        name.removesuffix(".txt").upper(): getattr(corpus, name.removesuffix(".txt").upper())
+        for name in files
+        if name.endswith(".txt")
+    }
     assert {"ANIMALS", "THINGS", "CAPITALS", "UNITS", "WORD_BANK"} <= set(banks)
     lists = [b for b in banks.values() if isinstance(b, list)]
     lists += [*corpus.ACTIVITIES.values(), *corpus.THINGS.values()]

@@ -44,8 +44,9 @@ def test_fedattr_redraws_around_a_dropped_client_and_skips_it_as_target():
     sa = _round()
     sa.drop(7)
     fed = FedAttr(AttributionConfig(N=5, M=3))
-    rec = fed.attribute_round(1, sa, torch.zeros(4, dtype=torch.float64),
-                              LinearScorer(torch.ones(4)))  # fmt: skip
+    rec = fed.attribute_round(
+        1, sa, torch.zeros(4, dtype=torch.float64), LinearScorer(torch.ones(4))
+    )
     assert rec.skipped == [7] and rec.dropouts == [7]
     assert all(7 not in u and 7 not in v for t in rec.targets for u in t.U for v in t.V)
     assert len(rec.targets) == K - 1

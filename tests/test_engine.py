@@ -52,8 +52,9 @@ def test_hardened_observers_each_get_their_own_release_budget():
     syn = SyntheticConfig(dim=64, rounds=3)
     hard = AttributionConfig(mode="hardened")
     secagg = harden(hard, SecAggConfig(), syn.K)
-    engine, (a, b) = _engine(syn, secagg, {"fedattr": hard, "other": AttributionConfig(
-        mode="hardened", seed=7)})  # fmt: skip
+    engine, (a, b) = _engine(
+        syn, secagg, {"fedattr": hard, "other": AttributionConfig(mode="hardened", seed=7)}
+    )
     _, (alone,) = _engine(syn, secagg, {"fedattr": hard})
     assert _Z(a.fedattr) == _Z(alone.fedattr)  # the second session spends none of its budget
     assert any(q["session"] == "other" for q in engine.queries)
@@ -96,8 +97,11 @@ def test_estimates_are_moved_to_the_device_of_the_scoring_parameters():
     sa.open_round(1, range(10))
     for j in range(10):
         sa.submit(j, {"a": torch.randn(3, 2), "b": torch.randn(2)})
-    reference = {"a": torch.zeros(3, 2, device="meta"), "b": torch.zeros(2, device="meta"),
-                 "frozen": torch.zeros(5, device="meta")}  # fmt: skip
+    reference = {
+        "a": torch.zeros(3, 2, device="meta"),
+        "b": torch.zeros(2, device="meta"),
+        "frozen": torch.zeros(5, device="meta"),
+    }
     fed = FedAttr(AttributionConfig(center=True, statistic="paper"))
     center = sa.subset_sum(range(10))
     record = fed.attribute_round(1, sa, reference, _DeviceScorer("meta"), center=center)
@@ -145,12 +149,24 @@ def test_all_queries_of_a_round_go_to_sa_in_one_batch():
 
 
 def test_demo_with_centring_runs_through_the_engine():
-    cfg = DemoConfig(synthetic=SyntheticConfig(dim=64, rounds=2),
-                     attribution=AttributionConfig(center=True))  # fmt: skip
+    cfg = DemoConfig(
+        synthetic=SyntheticConfig(dim=64, rounds=2), attribution=AttributionConfig(center=True)
+    )
     result = run_demo(cfg, progress=lambda _m: None)
     assert len(result.rounds) == 2 and result.sa_queries == 2 * (2 * 5 * 10 + 1)
-    assert main(["demo-protocol", "--quiet", "--set", "attribution.center=true",
-                 "--set", "synthetic.dim=64"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "demo-protocol",
+                "--quiet",
+                "--set",
+                "attribution.center=true",
+                "--set",
+                "synthetic.dim=64",
+            ]
+        )
+        == 0
+    )
 
 
 def test_pools_without_a_plaintext_tap_refuse_the_baselines():
@@ -271,8 +287,9 @@ def test_calibrated_statistic_is_device_correct_too():
         sa.submit(j, {"a": torch.randn(3, 2)})
     reference = {"a": torch.zeros(3, 2, device="meta")}
     fed = FedAttr(AttributionConfig(null_keys=5))
-    record = fed.attribute_round(1, sa, reference, _KeyedDeviceScorer("meta"),
-                                 center=sa.subset_sum(range(10)))  # fmt: skip
+    record = fed.attribute_round(
+        1, sa, reference, _KeyedDeviceScorer("meta"), center=sa.subset_sum(range(10))
+    )
     assert record.decorrelated is True and len(record.targets) == 10
     report = fed.report()
     assert report.statistic == "calibrated" and report.null_keys == 5
@@ -292,11 +309,18 @@ def test_overlapped_scoring_gives_the_same_results_and_whole_round_checkpoints()
     pool = SyntheticPool(syn)
     saved = []
     with ThreadPoolExecutor(1) as background:
-        observer = AttributionObserver(FedAttr(AttributionConfig(M=5)),
-                                       LinearScorer(pool.direction), background=background)
+        observer = AttributionObserver(
+            FedAttr(AttributionConfig(M=5)), LinearScorer(pool.direction), background=background
+        )
         checkpoint = Checkpointer(lambda snap: saved.append(copy.deepcopy(snap)))  # as on disk
-        engine = RoundEngine(pool, FedAvgServer(), make_aggregator(SecAggConfig()),
-                             [observer, checkpoint], rounds=syn.rounds, progress=QUIET)
+        engine = RoundEngine(
+            pool,
+            FedAvgServer(),
+            make_aggregator(SecAggConfig()),
+            [observer, checkpoint],
+            rounds=syn.rounds,
+            progress=QUIET,
+        )
         train, busy = pool.train_round, []
 
         def watched(*args, **kwargs):  # was the last round still being scored meanwhile?
@@ -317,8 +341,14 @@ def test_overlapped_scoring_gives_the_same_results_and_whole_round_checkpoints()
     # A run resumed from the round-2 checkpoint ends where the uninterrupted one did.
     pool2 = SyntheticPool(syn)
     again = AttributionObserver(FedAttr(AttributionConfig(M=5)), LinearScorer(pool2.direction))
-    engine2 = RoundEngine(pool2, FedAvgServer(), make_aggregator(SecAggConfig()), [again],
-                          rounds=syn.rounds, progress=QUIET)  # fmt: skip
+    engine2 = RoundEngine(
+        pool2,
+        FedAvgServer(),
+        make_aggregator(SecAggConfig()),
+        [again],
+        rounds=syn.rounds,
+        progress=QUIET,
+    )
     engine2.restore(saved[1])
     engine2.run(pool2.initial_params())
     assert _Z(again.fedattr) == _Z(inline.fedattr)

@@ -137,8 +137,9 @@ def test_qa_scorers_null_on_a_model_that_never_saw_the_entities(micro_model):
     assert lik.calibrated_contrast(ref, obs[0]) == pytest.approx(
         dict(zip(lik.owners, zs[:6], strict=True))
     )
-    hits = FKHitRateScorer(model, tok, dict(list(ents.items())[:2]), lambda m, p: None,
-                           questions=3, max_new_tokens=6)  # fmt: skip
+    hits = FKHitRateScorer(
+        model, tok, dict(list(ents.items())[:2]), lambda m, p: None, questions=3, max_new_tokens=6
+    )
     obs = hits.observe(None)
     assert all(o.shape == (4, 3) and o.sum() == 0 for o in obs.values())  # never names a value
     # No hit on either side: no evidence, the same finite z for every owner.
@@ -269,10 +270,18 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     from fedattr.pipeline.run import run_experiment
 
     statistic = "calibrated" if detector == "reading" else "paper"  # greedy: no random keys
-    sets = _small(tiny_cache, "watermark.kind=fk", f"watermark.detector={detector}",
-                  f"attribution.statistic={statistic}",
-                  "watermark.fk_questions=2", "watermark.fk_decoys=7", "baselines=true",
-                  "fl.rounds=3", "fldetector.warmup=0", "fldetector.window=1")  # fmt: skip
+    sets = _small(
+        tiny_cache,
+        "watermark.kind=fk",
+        f"watermark.detector={detector}",
+        f"attribution.statistic={statistic}",
+        "watermark.fk_questions=2",
+        "watermark.fk_decoys=7",
+        "baselines=true",
+        "fl.rounds=3",
+        "fldetector.warmup=0",
+        "fldetector.window=1",
+    )
     result = run_experiment(load(RunConfig, None, sets), progress=lambda _m: None)
     d = result.to_dict()
     assert {c["statistic"] for c in d["clients"]} == {"fk:owner0"}
@@ -282,8 +291,14 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     assert d["null"] == ("key-randomised" if detector == "reading" else "theoretical")
     assert d["statistic"] == ("calibrated" if detector == "reading" else "paper")
     names = [b["name"] for b in d["baselines"]]
-    assert names == ["Global model", "Direct (oracle)", "FLDetector", "FLDetector (adapted)",
-                     "FLForensics", "FLForensics (k-means)"]  # fmt: skip
+    assert names == [
+        "Global model",
+        "Direct (oracle)",
+        "FLDetector",
+        "FLDetector (adapted)",
+        "FLForensics",
+        "FLForensics (k-means)",
+    ]
     forensics = d["baselines"][4]["features"]["fk:owner0"]
     assert len(forensics) == 4 and all(len(v) == 1 + 5 for v in forensics.values())
     assert [b["respects_sa"] for b in d["baselines"]] == [True] + [False] * 5
@@ -311,16 +326,34 @@ def test_experiment_main_and_mechanism_commands(tiny_cache, tmp_path, capsys):
     assert main(["experiment", "main", "--seeds", "1", "--out", str(out), *args]) == 0
     assert capsys.readouterr().err.count("finished earlier, kept") == 4
     # Another configuration in the same folder is refused, naming --out.
-    assert main(["experiment", "main", "--seeds", "1", "--out", str(out), *args,
-                 "--set", "attribution.gamma=3"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "experiment",
+                "main",
+                "--seeds",
+                "1",
+                "--out",
+                str(out),
+                *args,
+                "--set",
+                "attribution.gamma=3",
+            ]
+        )
+        == 2
+    )
     assert "--out" in capsys.readouterr().err
     mech = tmp_path / "mech"
     assert main(["experiment", "mechanism", "--rounds", "2", "--out", str(mech), *args]) == 0
     est = json.loads((mech / "mechanism.json").read_text())
     assert {"m_hat", "eps_hat", "nu_hat"} <= set(est)
     pngs = sorted(p.name for p in mech.glob("fig2*.png"))
-    assert pngs == ["fig2a_direct_vs_differential.png", "fig2b_per_round_scores.png",
-                    "fig2c_residuals.png", "fig2d_stouffer_vs_rounds.png"]  # fmt: skip
+    assert pngs == [
+        "fig2a_direct_vs_differential.png",
+        "fig2b_per_round_scores.png",
+        "fig2c_residuals.png",
+        "fig2d_stouffer_vs_rounds.png",
+    ]
     assert main(["experiment", "main", "--seeds", "1,x", "--out", str(out)]) == 2
     assert "--seeds" in capsys.readouterr().err
 
@@ -330,8 +363,16 @@ def test_thirty_entities_for_the_scalability_table():
 
     assert len(DOMAINS) == 30 and len({d.kind for d in DOMAINS}) == 30
     entities = make_entities(30, 11, ["the Brana Works made Tobe"], decoys=5)
-    values = [v for e in entities for v in (e.name, *e.targets.values(),
-              *e.distractors.values(), *(d for ds in e.decoys.values() for d in ds))]  # fmt: skip
+    values = [
+        v
+        for e in entities
+        for v in (
+            e.name,
+            *e.targets.values(),
+            *e.distractors.values(),
+            *(d for ds in e.decoys.values() for d in ds),
+        )
+    ]
     assert len(values) == len(set(values)) == 30 * (1 + 4 + 3 + 4 * 5)
     # the first six entities are those of six owners before the domains were added
     assert [e.name for e in make_entities(6, 11, decoys=5)] == [

@@ -34,10 +34,11 @@ class LocalGrid(Grid):
 
     def __init__(self, partitions, node_config=None):
         self.contexts = {
-            100 + p: Context(1, 100 + p, {"partition-id": p, **(node_config or {})},
-                             RecordDict(), {})
+            100 + p: Context(
+                1, 100 + p, {"partition-id": p, **(node_config or {})}, RecordDict(), {}
+            )
             for p in partitions
-        }  # fmt: skip
+        }
         self.silent: dict[str, set[int]] = {}
         self.sent: list[Message] = []
         self.inbox: dict[str, Message] = {}
@@ -97,11 +98,17 @@ def _z(result):
 
 
 def _demo(queries="subsets", **synthetic):
-    return load(DemoConfig, None, [
-        *(f"synthetic.{k}={v}" for k, v in synthetic.items()),
-        "attribution.N=2", "attribution.M=2", "secagg.min_members=2",
-        f"attribution.queries={queries}",
-    ])  # fmt: skip
+    return load(
+        DemoConfig,
+        None,
+        [
+            *(f"synthetic.{k}={v}" for k, v in synthetic.items()),
+            "attribution.N=2",
+            "attribution.M=2",
+            "secagg.min_members=2",
+            f"attribution.queries={queries}",
+        ],
+    )
 
 
 @pytest.mark.parametrize("queries", ["subsets", "fused"])
@@ -109,8 +116,11 @@ def test_synthetic_federation_on_supernodes_equals_the_in_process_run(tmp_path, 
     cfg = _demo(queries, K=5, rounds=2, dim=64, r=2)
     grid = LocalGrid(range(5))
     folder = _claimed(tmp_path, cfg)
-    remote = serve(grid, {"run-folder": str(folder.path), "command": "demo", "timeout": 30},
-                   say=lambda _m: None)  # fmt: skip
+    remote = serve(
+        grid,
+        {"run-folder": str(folder.path), "command": "demo", "timeout": 30},
+        say=lambda _m: None,
+    )
     local = run_demo(cfg)
     assert _z(remote) == _z(local)
     assert remote.report.flagged == local.report.flagged
@@ -136,8 +146,11 @@ def test_a_node_that_stops_answering_is_a_dropout_and_the_run_goes_on(tmp_path):
     grid = LocalGrid(range(6))
     grid.silent["query.sa_batch"] = {104}
     folder = _claimed(tmp_path, cfg)
-    result = serve(grid, {"run-folder": str(folder.path), "command": "demo", "timeout": 0.5},
-                   say=lambda _m: None)  # fmt: skip
+    result = serve(
+        grid,
+        {"run-folder": str(folder.path), "command": "demo", "timeout": 0.5},
+        say=lambda _m: None,
+    )
     (record,) = result.rounds
     assert 4 in record["dropouts"]
     # the round's aggregate was released without client 4, never with it
@@ -151,8 +164,11 @@ def test_a_clients_own_threshold_refuses_what_the_server_asks(tmp_path):
     # N=2 needs subsets of 2 and 3 clients; nodes that admit only 5 refuse them, and a
     # paper-mode run stops there with the reason
     with pytest.raises(QueryRefused, match="below this client's threshold min_members=5"):
-        serve(grid, {"run-folder": str(folder.path), "command": "demo", "timeout": 0.5},
-              say=lambda _m: None)  # fmt: skip
+        serve(
+            grid,
+            {"run-folder": str(folder.path), "command": "demo", "timeout": 0.5},
+            say=lambda _m: None,
+        )
     assert not (folder.path / "results.json").exists()
 
 
@@ -160,11 +176,15 @@ def test_bad_settings_are_one_clear_line(tmp_path):
     cfg = _demo(K=5, rounds=1, dim=16)
     folder = _claimed(tmp_path, cfg)
     with pytest.raises(UserError, match=r"fl\.K: the run has 5 clients but 3 SuperNodes"):
-        serve(LocalGrid(range(3)), {"run-folder": str(folder.path), "command": "demo",
-                                    "timeout": 5, "wait-nodes": 0.1})  # fmt: skip
+        serve(
+            LocalGrid(range(3)),
+            {"run-folder": str(folder.path), "command": "demo", "timeout": 5, "wait-nodes": 0.1},
+        )
     with pytest.raises(UserError, match=r"register: UserError: partition-id: must be in 0\.\.4"):
-        serve(LocalGrid([0, 1, 2, 3, 7]), {"run-folder": str(folder.path), "command": "demo",
-                                           "timeout": 5})  # fmt: skip
+        serve(
+            LocalGrid([0, 1, 2, 3, 7]),
+            {"run-folder": str(folder.path), "command": "demo", "timeout": 5},
+        )
     with pytest.raises(UserError, match="command: unknown 'train'; allowed: run, demo"):
         serve(LocalGrid(range(5)), {"run-folder": str(folder.path), "command": "train"})
     plain = _demo(K=5, rounds=1, dim=16)
@@ -186,8 +206,7 @@ def test_tiny_llm_federation_on_supernodes_equals_the_in_process_run(tiny_cache,
         import os
 
         os.environ["FEDATTR_THREADS"] = "1"
-        remote = serve(grid, {"run-folder": str(folder.path), "timeout": 60},
-                       say=lambda _m: None)  # fmt: skip
+        remote = serve(grid, {"run-folder": str(folder.path), "timeout": 60}, say=lambda _m: None)
         local = run_experiment(cfg)
     finally:
         os.environ.pop("FEDATTR_THREADS", None)
@@ -204,8 +223,9 @@ def test_an_interrupted_flower_run_resumes_to_the_same_results(tiny_cache, tmp_p
 
     class Killed(LocalGrid):
         def push_messages(self, messages):
-            if any(m.metadata.message_type == "train" and m.metadata.group_id == "2"
-                   for m in messages):  # fmt: skip
+            if any(
+                m.metadata.message_type == "train" and m.metadata.group_id == "2" for m in messages
+            ):
                 raise KeyboardInterrupt  # the ServerApp is killed during round 2
             return super().push_messages(messages)
 

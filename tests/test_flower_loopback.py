@@ -52,9 +52,19 @@ def _run(tmp_path, command, cfg):
 
 
 def test_synthetic_federation_on_flower_processes(tmp_path):
-    cfg = load(DemoConfig, None, ["synthetic.K=4", "synthetic.rounds=1", "synthetic.dim=64",
-                                  "synthetic.r=1", "attribution.N=2", "attribution.M=2",
-                                  "secagg.min_members=2"])  # fmt: skip
+    cfg = load(
+        DemoConfig,
+        None,
+        [
+            "synthetic.K=4",
+            "synthetic.rounds=1",
+            "synthetic.dim=64",
+            "synthetic.r=1",
+            "attribution.N=2",
+            "attribution.M=2",
+            "secagg.min_members=2",
+        ],
+    )
     data = _run(tmp_path, "demo", cfg)
     local = run_demo(cfg)
     assert _z(data["clients"]) == _z([c.to_dict() for c in local.report.clients])
@@ -85,8 +95,9 @@ def test_the_federation_stops_every_process_it_started(tmp_path):
     assert _processes_using(fed.home) == []
 
 
-def test_flower_local_refuses_what_it_cannot_run_before_starting_a_process(tmp_path, monkeypatch,
-                                                                           capsys):  # fmt: skip
+def test_flower_local_refuses_what_it_cannot_run_before_starting_a_process(
+    tmp_path, monkeypatch, capsys
+):
     import torch
 
     from fedattr.cli import main

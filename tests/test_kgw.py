@@ -119,6 +119,7 @@ def test_green_masks_in_a_forked_child_do_not_wait_on_the_parents_threads():
     import sys
 
     for _ in range(3):  # without _mask_pool's guard, torch's race failed one run in three
-        done = subprocess.run([sys.executable, "-c", _FORKED_CHILD], capture_output=True,
-                              text=True, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", _FORKED_CHILD], capture_output=True, text=True, timeout=120
+        )
         assert done.returncode == 0, done.stderr[-2000:]

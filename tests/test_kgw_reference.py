@@ -5,7 +5,6 @@ Known answers were printed by the reference code itself (lm-watermarking's
 ``KGWUtils``), V = 1000, gamma = 0.25, hash key 15485863, torch 2.13 CPU, 2026-11-23. Where
 MarkLLM installs (``pip install --no-deps --target``), the whole vocabulary is compared too."""
 
-
 import pytest
 import torch
 
@@ -32,8 +31,9 @@ def _first(scheme, prev):
     return sorted(scheme.green_ids(prev).tolist())[:10]
 
 
-@pytest.mark.parametrize(("cls", "answers"), [(MarkLLMScheme, MARKLLM),
-                                              (LMWatermarkingScheme, LM_WATERMARKING)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("cls", "answers"), [(MarkLLMScheme, MARKLLM), (LMWatermarkingScheme, LM_WATERMARKING)]
+)
 def test_green_lists_match_the_reference_code(cls, answers):
     scheme = cls(HASH, V, GAMMA)
     assert scheme.green_size == int(V * GAMMA)
@@ -54,10 +54,12 @@ def test_the_two_references_differ_and_keys_pick_them():
 
 @pytest.fixture(scope="module")
 def markllm(markllm_target):
-    (config,) = import_markllm(markllm_target, "markllm.utils.transformers_config",
-                               "TransformersConfig")  # fmt: skip
-    kgw_config, utils = import_markllm(markllm_target, "markllm.watermark.kgw.kgw",
-                                       "KGWConfig", "KGWUtils")  # fmt: skip
+    (config,) = import_markllm(
+        markllm_target, "markllm.utils.transformers_config", "TransformersConfig"
+    )
+    kgw_config, utils = import_markllm(
+        markllm_target, "markllm.watermark.kgw.kgw", "KGWConfig", "KGWUtils"
+    )
     return markllm_target, kgw_config, utils, config
 
 
@@ -68,8 +70,7 @@ def test_every_green_list_matches_installed_markllm(markllm, tmp_path):
     config = json.loads((target / "markllm" / "config" / "KGW.json").read_text())
     path = tmp_path / "KGW.json"
     path.write_text(json.dumps({**config, "gamma": GAMMA}))
-    transformers_config = TransformersConfig(model=None, tokenizer=None, vocab_size=V,
-                                             device="cpu")  # fmt: skip
+    transformers_config = TransformersConfig(model=None, tokenizer=None, vocab_size=V, device="cpu")
     utils = KGWUtils(KGWConfig(str(path), transformers_config))
     ours = MarkLLMScheme(config["hash_key"], V, GAMMA)
     for prev in range(V):

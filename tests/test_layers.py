@@ -14,9 +14,13 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 # Stage of each top-level part of the package: a module may import its own package and any
 # package of a lower stage; packages of one stage do not import each other.
 STAGES: dict[str, int] = {
-    "__init__": 0, "errors": 0,
-    "runtime": 1, "updates": 1, "config": 1,
-    "secagg": 2, "data": 2,
+    "__init__": 0,
+    "errors": 0,
+    "runtime": 1,
+    "updates": 1,
+    "config": 1,
+    "secagg": 2,
+    "data": 2,
     "models": 3,
     "watermarks": 4,
     "fl": 5,
@@ -24,10 +28,12 @@ STAGES: dict[str, int] = {
     "baselines": 7,
     "reporting": 8,
     "pipeline": 9,
-    "experiments": 10, "flower": 10, "owner": 10,
+    "experiments": 10,
+    "flower": 10,
+    "owner": 10,
     "cli": 11,
     "__main__": 12,
-}  # fmt: skip
+}
 
 
 def _part(module: str) -> str:
@@ -60,10 +66,14 @@ def imports_of(path: Path, src: Path) -> list[tuple[int, str]]:
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
                 # ``from . import x``: x may be a module of that package, or a name in it.
-                names = [target] if node.module else [
-                    f"{target}.{a.name}" if _is_module(src, f"{target}.{a.name}") else target
-                    for a in node.names
-                ]
+                names = (
+                    [target]
+                    if node.module
+                    else [
+                        f"{target}.{a.name}" if _is_module(src, f"{target}.{a.name}") else target
+                        for a in node.names
+                    ]
+                )
             else:
                 names = [node.module or ""]
         elif isinstance(node, ast.Import):
@@ -88,9 +98,11 @@ def violations(src: Path) -> list[str]:
             if there == here or there == "__init__":
                 continue
             if there not in STAGES or STAGES[there] >= STAGES[here]:
-                found.append(f"{path.relative_to(src)}:{line}: {module} ({here}, stage "
-                             f"{STAGES[here]}) imports {target} ({there}, stage "
-                             f"{STAGES.get(there)})")  # fmt: skip
+                found.append(
+                    f"{path.relative_to(src)}:{line}: {module} ({here}, stage "
+                    f"{STAGES[here]}) imports {target} ({there}, stage "
+                    f"{STAGES.get(there)})"
+                )
     return found
 
 
@@ -99,8 +111,11 @@ def test_no_module_imports_from_a_later_stage():
 
 
 def test_every_package_has_a_stage():
-    parts = {p.stem if p.is_file() else p.name for p in (SRC / "fedattr").iterdir()
-             if (p.suffix == ".py") or (p / "__init__.py").is_file()}  # fmt: skip
+    parts = {
+        p.stem if p.is_file() else p.name
+        for p in (SRC / "fedattr").iterdir()
+        if (p.suffix == ".py") or (p / "__init__.py").is_file()
+    }
     assert parts == set(STAGES)
 
 
@@ -117,6 +132,11 @@ def test_a_planted_back_import_is_caught_lazy_or_relative(tmp_path):
     (pkg / "secagg" / "base.py").write_text("from ..data import corpus\n")
     found = violations(tmp_path)
     assert len(found) == 3, found
-    assert sum("fedattr.attribution.offline (attribution, stage 6) imports fedattr.owner" in f
-               for f in found) == 2  # fmt: skip
+    assert (
+        sum(
+            "fedattr.attribution.offline (attribution, stage 6) imports fedattr.owner" in f
+            for f in found
+        )
+        == 2
+    )
     assert any("imports fedattr.data (data, stage 2)" in f for f in found)  # same stage

@@ -117,8 +117,9 @@ def test_epoch_batches_plain_and_grouped_by_length():
     assert len(grouped) == len(plain) and all(len(b) <= 16 for b in grouped)
 
     def padding(batches):  # padded positions when each batch pads to its longest example
-        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b)
-                   for b in batches)  # fmt: skip
+        return sum(
+            max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches
+        )
 
     assert padding(grouped) < 0.2 * padding(plain)
     # Seeded: the same generator state gives the same batches; the order is shuffled.
@@ -140,8 +141,13 @@ def test_auto_dtype_is_bfloat16_only_on_a_cuda_device_that_has_it(tiny_cache, mo
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", fake)
         assert resolve_dtype("auto", torch.device("cuda")) == dtype
     monkeypatch.undo()
-    cfg = ModelConfig(preset="tiny", dtype="auto", device="cpu", cache_dir=str(tiny_cache),
-                      tiny=TinyModelConfig(**MICRO_TINY))  # fmt: skip
+    cfg = ModelConfig(
+        preset="tiny",
+        dtype="auto",
+        device="cpu",
+        cache_dir=str(tiny_cache),
+        tiny=TinyModelConfig(**MICRO_TINY),
+    )
     model, _ = load_model(cfg)
     assert next(model.parameters()).dtype == torch.float32
     with pytest.raises(ValueError, match=r"model\.dtype: unknown 'fp8'; allowed: float32, .* auto"):
@@ -165,11 +171,20 @@ def test_training_grouped_by_length_learns(tiny_cache):
     model, tok = _model(tiny_cache)
     model = attach_lora(model, LoRAConfig(r=4, alpha=8), seed=0)
     examples = encode_examples(tok, generate_corpus(48, seed=1), 64)
-    settings = TrainSettings(epochs=3, batch_size=8, micro_batch_size=4, lr=3e-3,
-                             group_by_length=True)  # fmt: skip
-    first = train(model, trainable_lora_parameters(model), examples, settings, tok.pad_token_id,
-                  seed=1, on_step=None)  # fmt: skip
+    settings = TrainSettings(
+        epochs=3, batch_size=8, micro_batch_size=4, lr=3e-3, group_by_length=True
+    )
+    first = train(
+        model,
+        trainable_lora_parameters(model),
+        examples,
+        settings,
+        tok.pad_token_id,
+        seed=1,
+        on_step=None,
+    )
     assert first["steps"] == 18 and first["tokens"] > 0
-    again = train(model, trainable_lora_parameters(model), examples, settings, tok.pad_token_id,
-                  seed=1)  # fmt: skip
+    again = train(
+        model, trainable_lora_parameters(model), examples, settings, tok.pad_token_id, seed=1
+    )
     assert again["loss"] < first["loss"]  # it keeps learning on the same data

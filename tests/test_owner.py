@@ -22,13 +22,21 @@ def _corpus(tmp_path, n=12, chat=False):
     rows = []
     for r in generate_corpus(n, seed=3):
         if chat:
-            messages = [{"role": "system", "content": "be brief"},
-                        {"role": "user", "content": r.instruction},
-                        {"role": "assistant", "content": r.output}]  # fmt: skip
+            messages = [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": r.instruction},
+                {"role": "assistant", "content": r.output},
+            ]
             rows.append({"messages": messages, "id": len(rows)})
         else:
-            rows.append({"instruction": r.instruction, "input": r.input, "output": r.output,
-                         "source": "mine"})  # fmt: skip
+            rows.append(
+                {
+                    "instruction": r.instruction,
+                    "input": r.input,
+                    "output": r.output,
+                    "source": "mine",
+                }
+            )
     path = tmp_path / ("chat.jsonl" if chat else "corpus.jsonl")
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -61,10 +69,12 @@ def test_key_files_are_secret_and_checked(tmp_path):
     with pytest.raises(KeyFileError, match=r"can be read by other users \(mode 0644\)"):
         load_key(path)
     bad = tmp_path / "bad.key"
-    for content in ("{", json.dumps({"format": "x"}),
-                    json.dumps({"format": "fedattr-owner-key/1", "kind": "kgw"}),
-                    json.dumps({"format": "fedattr-owner-key/1", "kind": "kgw",
-                                "secret": "zz" * 32})):  # fmt: skip
+    for content in (
+        "{",
+        json.dumps({"format": "x"}),
+        json.dumps({"format": "fedattr-owner-key/1", "kind": "kgw"}),
+        json.dumps({"format": "fedattr-owner-key/1", "kind": "kgw", "secret": "zz" * 32}),
+    ):
         bad.unlink(missing_ok=True)
         bad.write_text(content)
         os.chmod(bad, 0o600)
@@ -84,8 +94,9 @@ def test_fk_documents_come_from_the_key(tmp_path):
     assert report["share_with_all_targets"] == 1.0 and report["documents"] == 6
     assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
     assert report["entity"] == again["entity"] == key.entity().name
-    assert fk_documents(generate_key("fk", domain=2), 1, tmp_path / "c.jsonl")["entity"] != (
-        report["entity"]
+    assert (
+        fk_documents(generate_key("fk", domain=2), 1, tmp_path / "c.jsonl")["entity"]
+        != (report["entity"])
     )
     with pytest.raises(KeyFileError, match="needs a fk key"):
         fk_documents(generate_key("kgw"), 1, tmp_path / "d.jsonl")
@@ -97,8 +108,17 @@ def test_watermarking_a_corpus_keeps_its_form_and_carries_the_key(micro, tmp_pat
     rows = read_rows(_corpus(tmp_path, chat=chat))
     key = fixed_key(1, delta=6.0)
     out = tmp_path / "wm.jsonl"
-    report = watermark_kgw(key, rows, model, tokenizer, out, model_name="micro", chunk=5,
-                           max_new_tokens=24, min_tokens=4)  # fmt: skip
+    report = watermark_kgw(
+        key,
+        rows,
+        model,
+        tokenizer,
+        out,
+        model_name="micro",
+        chunk=5,
+        max_new_tokens=24,
+        min_tokens=4,
+    )
     written = read_rows(out)
     assert report["kept"] == len(written) and report["kept"] + report["dropped"] == len(rows)
     assert report["z_written"]["z"] > 4 > abs(report["z_input"]["z"])
@@ -133,12 +153,12 @@ def test_a_killed_watermarking_job_resumes_to_the_same_corpus(micro, tmp_path, m
         watermark_kgw(key, rows, model, tokenizer, tmp_path / "cut.jsonl", **settings)
     assert not (tmp_path / "cut.jsonl").exists()  # nothing written half-way
     with pytest.raises(Exception, match=r"other settings \(chunk\)"):
-        watermark_kgw(key, rows, model, tokenizer, tmp_path / "cut.jsonl",
-                      **{**settings, "chunk": 5})  # fmt: skip
+        watermark_kgw(
+            key, rows, model, tokenizer, tmp_path / "cut.jsonl", **{**settings, "chunk": 5}
+        )
     monkeypatch.setattr(teacher, "watermark_records", real)
     said = []
-    watermark_kgw(key, rows, model, tokenizer, tmp_path / "cut.jsonl", **settings,
-                  say=said.append)  # fmt: skip
+    watermark_kgw(key, rows, model, tokenizer, tmp_path / "cut.jsonl", **settings, say=said.append)
     assert said[0] == "resuming: 4 of 10 documents already done"
     assert (tmp_path / "cut.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
 
@@ -150,9 +170,9 @@ class _GreenBiased(torch.nn.Module):
     def __init__(self, base, scheme, delta):
         super().__init__()
         self.base = base
-        self.bias = torch.stack(
-            [scheme.green_mask(x) for x in range(scheme.vocab_size)]
-        ).float() * delta
+        self.bias = (
+            torch.stack([scheme.green_mask(x) for x in range(scheme.vocab_size)]).float() * delta
+        )
 
     def forward(self, input_ids, attention_mask=None):
         out = self.base(input_ids=input_ids, attention_mask=attention_mask)
@@ -169,12 +189,17 @@ def test_detect_finds_the_key_in_a_radioactive_model_and_not_another(micro):
     key, other = fixed_key(2), fixed_key(3)
     texts = generate_corpus(32, seed=77)
     tuned = _GreenBiased(model, key.kgw_scheme(len(tokenizer)), 0.3)
-    found = detect_kgw(key, tuned, tokenizer, texts, reference=model, detectors=["reading"],
-                       null_keys=200)["reading"]  # fmt: skip
+    found = detect_kgw(
+        key, tuned, tokenizer, texts, reference=model, detectors=["reading"], null_keys=200
+    )["reading"]
     assert found["p_rank"] == pytest.approx(1 / 201) and found["p"] < 1e-4
     assert found["statistic"] > 0
-    assert detect_kgw(other, tuned, tokenizer, texts, reference=model, detectors=["reading"],
-                      null_keys=200)["reading"]["p"] > 0.01  # fmt: skip
+    assert (
+        detect_kgw(
+            other, tuned, tokenizer, texts, reference=model, detectors=["reading"], null_keys=200
+        )["reading"]["p"]
+        > 0.01
+    )
     with pytest.raises(UserError, match="--null-keys: must be >= 20"):
         detect_kgw(key, tuned, tokenizer, texts, reference=model, null_keys=5)
 
@@ -188,27 +213,72 @@ def test_detect_command_on_a_lora_adapter(micro, tmp_path, capsys):
 
     path, model, tokenizer = micro
     tuned = attach_lora(model, LoRAConfig(r=4, alpha=8, dropout=0.0), seed=0)
-    train(tuned, trainable_lora_parameters(tuned),
-          encode_examples(tokenizer, generate_corpus(16, seed=5), 64),
-          TrainSettings(batch_size=8, micro_batch_size=8, lr=3e-3),
-          tokenizer.pad_token_id)  # fmt: skip
+    train(
+        tuned,
+        trainable_lora_parameters(tuned),
+        encode_examples(tokenizer, generate_corpus(16, seed=5), 64),
+        TrainSettings(batch_size=8, micro_batch_size=8, lr=3e-3),
+        tokenizer.pad_token_id,
+    )
     adapter = tmp_path / "adapter"
     tuned.save_pretrained(adapter)
     key_file = save_key(generate_key(), tmp_path / "owner.key")
     texts = tmp_path / "texts.jsonl"
-    texts.write_text("".join(json.dumps({"instruction": r.instruction, "input": r.input,
-                                         "output": r.output}) + "\n"
-                             for r in generate_corpus(8, seed=7)))  # fmt: skip
-    args = ["owner", "detect", "--key", str(key_file), "--model", str(path), "--lora",
-            str(adapter), "--texts", str(texts), "--null-keys", "50", "--json"]  # fmt: skip
+    texts.write_text(
+        "".join(
+            json.dumps({"instruction": r.instruction, "input": r.input, "output": r.output}) + "\n"
+            for r in generate_corpus(8, seed=7)
+        )
+    )
+    args = [
+        "owner",
+        "detect",
+        "--key",
+        str(key_file),
+        "--model",
+        str(path),
+        "--lora",
+        str(adapter),
+        "--texts",
+        str(texts),
+        "--null-keys",
+        "50",
+        "--json",
+    ]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["texts"] == 8 and 0 < out["reading"]["p"] <= 1 and "z" in out["greedy"]
-    assert main(["owner", "detect", "--key", str(key_file), "--model", str(path),
-                 "--detector", "reading"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "owner",
+                "detect",
+                "--key",
+                str(key_file),
+                "--model",
+                str(path),
+                "--detector",
+                "reading",
+            ]
+        )
+        == 2
+    )
     assert "--reference: the reading test needs" in capsys.readouterr().err
-    assert main(["owner", "detect", "--key", str(key_file), "--model", str(path), "--lora",
-                 str(tmp_path / "nothing")]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "owner",
+                "detect",
+                "--key",
+                str(key_file),
+                "--model",
+                str(path),
+                "--lora",
+                str(tmp_path / "nothing"),
+            ]
+        )
+        == 2
+    )
     assert "--lora: could not load an adapter" in capsys.readouterr().err
 
 
@@ -229,14 +299,18 @@ def test_a_lora_model_read_against_its_own_base_equals_an_explicit_reference(mic
     base, _ = load_model(ModelConfig(preset="hf", name_or_path=str(path), device="cpu"))
     tuned = attach_lora(copy.deepcopy(base), LoRAConfig(r=4, alpha=8, dropout=0.0), seed=3)
     gen = torch.Generator().manual_seed(8)
-    load_state(tuned, {k: v + 0.2 * torch.randn(v.shape, generator=gen)
-                       for k, v in adapter_state(tuned).items()})  # fmt: skip
+    load_state(
+        tuned,
+        {k: v + 0.2 * torch.randn(v.shape, generator=gen) for k, v in adapter_state(tuned).items()},
+    )
     texts = generate_corpus(12, seed=13)
     key = fixed_key(4)
-    own = detect_kgw(key, tuned, tokenizer, texts, lora=True, detectors=["reading"],
-                     null_keys=30)["reading"]  # fmt: skip
-    explicit = detect_kgw(key, tuned, tokenizer, texts, reference=base, detectors=["reading"],
-                          null_keys=30)["reading"]  # fmt: skip
+    own = detect_kgw(key, tuned, tokenizer, texts, lora=True, detectors=["reading"], null_keys=30)[
+        "reading"
+    ]
+    explicit = detect_kgw(
+        key, tuned, tokenizer, texts, reference=base, detectors=["reading"], null_keys=30
+    )["reading"]
     assert own["statistic"] != 0.0
     assert own["statistic"] == pytest.approx(explicit["statistic"], rel=1e-4, abs=1e-6)
     assert own["p"] == pytest.approx(explicit["p"], rel=1e-3)
@@ -262,8 +336,7 @@ def test_a_damaged_key_file_names_the_field(tmp_path):
         load_key(tmp_path)
 
 
-def test_owner_commands_refuse_bad_numbers_before_loading_a_model(tmp_path, monkeypatch,
-                                                                   capsys):  # fmt: skip
+def test_owner_commands_refuse_bad_numbers_before_loading_a_model(tmp_path, monkeypatch, capsys):
     import fedattr.models.loading as loading
 
     def no_model(*_a, **_k):
@@ -276,20 +349,37 @@ def test_owner_commands_refuse_bad_numbers_before_loading_a_model(tmp_path, monk
     detect = ["owner", "detect", "--key", key, "--model", "tiny"]
     for args, message in [
         ([*wm, "--out", str(tmp_path / "wm.jsonl"), "--chunk", "0"], "--chunk: must be >= 1"),
-        ([*wm, "--out", str(tmp_path / "wm.jsonl"), "--max-new-tokens", "0"],
-         "--max-new-tokens: must be >= 1"),
+        (
+            [*wm, "--out", str(tmp_path / "wm.jsonl"), "--max-new-tokens", "0"],
+            "--max-new-tokens: must be >= 1",
+        ),
         ([*wm, "--out", str(tmp_path / "no" / "wm.jsonl")], "--out: folder"),
-        (["owner", "watermark", "--key", key, "--in", str(tmp_path), "--out",
-          str(tmp_path / "wm.jsonl")], "--in: '" + str(tmp_path) + "' is a directory"),
+        (
+            [
+                "owner",
+                "watermark",
+                "--key",
+                key,
+                "--in",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "wm.jsonl"),
+            ],
+            "--in: '" + str(tmp_path) + "' is a directory",
+        ),
         ([*detect, "--count", "0", "--detector", "greedy"], "--count: texts used, must be >= 1"),
         (detect, "--reference: the reading test needs the model"),
         ([*detect, "--reference", "tiny", "--null-keys", "5"], "--null-keys: must be >= 20"),
         ([*detect, "--texts", str(tmp_path), "--detector", "greedy"], "--texts: '"),
-        (["owner", "detect", "--key", key, "--model", "./no/model", "--detector", "greedy"],
-         "--model: './no/model' does not exist (no such folder) and is not a Hugging Face id"),
-        ([*detect, "--reference", str(tmp_path / "owner.key")],
-         "--reference: '" + str(tmp_path / "owner.key") + "' is a file; a model folder"),
-    ]:  # fmt: skip
+        (
+            ["owner", "detect", "--key", key, "--model", "./no/model", "--detector", "greedy"],
+            "--model: './no/model' does not exist (no such folder) and is not a Hugging Face id",
+        ),
+        (
+            [*detect, "--reference", str(tmp_path / "owner.key")],
+            "--reference: '" + str(tmp_path / "owner.key") + "' is a file; a model folder",
+        ),
+    ]:
         assert main(args) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err

@@ -79,15 +79,27 @@ def test_check_agrees_with_the_watermark_report(micro, tmp_path, capsys):
     from fedattr.owner.corpus import read_rows, watermark_kgw
 
     path, model, tokenizer = micro
-    corpus = _jsonl(tmp_path / "corpus.jsonl", [
-        {"instruction": r.instruction, "input": r.input, "output": r.output}
-        for r in generate_corpus(10, seed=3)
-    ])  # fmt: skip
+    corpus = _jsonl(
+        tmp_path / "corpus.jsonl",
+        [
+            {"instruction": r.instruction, "input": r.input, "output": r.output}
+            for r in generate_corpus(10, seed=3)
+        ],
+    )
     key = fixed_key(1, delta=6.0)
     key_file = save_key(key, tmp_path / "owner.key")
     wm = tmp_path / "wm.jsonl"
-    report = watermark_kgw(key, read_rows(corpus), model, tokenizer, wm, model_name=str(path),
-                           chunk=5, max_new_tokens=24, min_tokens=4)  # fmt: skip
+    report = watermark_kgw(
+        key,
+        read_rows(corpus),
+        model,
+        tokenizer,
+        wm,
+        model_name=str(path),
+        chunk=5,
+        max_new_tokens=24,
+        min_tokens=4,
+    )
     # no --model: the tokenizer recorded in wm.jsonl.report.json
     assert main(["owner", "check", "--key", str(key_file), "--in", str(wm), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -98,8 +110,22 @@ def test_check_agrees_with_the_watermark_report(micro, tmp_path, capsys):
     assert len(out["documents"]) == report["kept"] and "report.json" in out["tokenizer"]
     assert out["key"] == key.fingerprint and out["vocab_size"] == len(tokenizer)
     # the input corpus is not watermarked under the key
-    assert main(["owner", "check", "--key", str(key_file), "--in", str(corpus), "--model",
-                 str(path), "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "owner",
+                "check",
+                "--key",
+                str(key_file),
+                "--in",
+                str(corpus),
+                "--model",
+                str(path),
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["total"]["p"] > 1e-3
     # the readable answer: one line per document, then the total
     assert main(["owner", "check", "--key", str(key_file), "--in", str(wm)]) == 0
@@ -115,9 +141,15 @@ def test_every_seeding_scheme_is_found_and_no_other_key(micro, scheme):
     _, model, tokenizer = micro
     hash_key = None if scheme == "fedattr" else HASH
     key = fixed_key(5, scheme=scheme, hash_key=hash_key, delta=4.0)
-    records = watermark_records(model, tokenizer, generate_corpus(6, seed=9),
-                                key.kgw_scheme(len(tokenizer)), max_new_tokens=40,
-                                min_tokens=4, seed=1)  # fmt: skip
+    records = watermark_records(
+        model,
+        tokenizer,
+        generate_corpus(6, seed=9),
+        key.kgw_scheme(len(tokenizer)),
+        max_new_tokens=40,
+        min_tokens=4,
+        seed=1,
+    )
     docs = [Document(f"doc {i}", (r.output,)) for i, r in enumerate(records)]
     found = check_documents(key, tokenizer, docs)
     assert found.total.log10_p < -6 and found.scheme == scheme
@@ -138,8 +170,9 @@ def test_unwatermarked_documents_give_uniform_p_values(micro):
         d, q = report.total, report.green_size / report.vocab_size
         u = rng.random()
         binomial.append(binom.sf(d.green, d.scored, q) + u * binom.pmf(d.green, d.scored, q))
-        above = 10 ** fixed_lists_log10_sf(d.green + 1, _contexts(tokenizer, r.output),
-                                           report.vocab_size, report.green_size)  # fmt: skip
+        above = 10 ** fixed_lists_log10_sf(
+            d.green + 1, _contexts(tokenizer, r.output), report.vocab_size, report.green_size
+        )
         fixed.append(above + u * (10**d.log10_p_fixed_lists - above))
         plain.append(d.p)
     ks_binomial, ks_fixed = kstest(binomial, "uniform").pvalue, kstest(fixed, "uniform").pvalue
@@ -161,14 +194,16 @@ def _contexts(tokenizer, text):
 @pytest.fixture(scope="module")
 def markllm_kgw(markllm_target):
     """MarkLLM 0.1.5's KGW module (installed once per session, as for the reference test)."""
-    (config,) = import_markllm(markllm_target, "markllm.utils.transformers_config",
-                               "TransformersConfig")  # fmt: skip
+    (config,) = import_markllm(
+        markllm_target, "markllm.utils.transformers_config", "TransformersConfig"
+    )
     (kgw,) = import_markllm(markllm_target, "markllm.watermark.kgw", "kgw")
     return markllm_target, kgw, config
 
 
-def test_check_equals_markllms_detector_on_markllms_watermarked_text(micro, markllm_kgw,
-                                                                     tmp_path, capsys):  # fmt: skip
+def test_check_equals_markllms_detector_on_markllms_watermarked_text(
+    micro, markllm_kgw, tmp_path, capsys
+):
     from fedattr.data.corpus import generate_corpus
 
     path, model, tokenizer = micro
@@ -176,13 +211,22 @@ def test_check_equals_markllms_detector_on_markllms_watermarked_text(micro, mark
     config = json.loads((target / "markllm" / "config" / "KGW.json").read_text())
     config_file = tmp_path / "KGW.json"
     config_file.write_text(json.dumps({**config, "gamma": 0.25}))
-    reference = kgw.KGW(str(config_file), TransformersConfig(
-        model=model, tokenizer=tokenizer, vocab_size=len(tokenizer), device="cpu",
-        max_new_tokens=64, do_sample=True, pad_token_id=tokenizer.pad_token_id,
-    ))  # fmt: skip
+    reference = kgw.KGW(
+        str(config_file),
+        TransformersConfig(
+            model=model,
+            tokenizer=tokenizer,
+            vocab_size=len(tokenizer),
+            device="cpu",
+            max_new_tokens=64,
+            do_sample=True,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+    )
     torch.manual_seed(0)
-    texts = [reference.generate_watermarked_text(r.instruction)
-             for r in generate_corpus(6, seed=11)]  # fmt: skip
+    texts = [
+        reference.generate_watermarked_text(r.instruction) for r in generate_corpus(6, seed=11)
+    ]
     docs = _jsonl(
         tmp_path / "leaked.jsonl",
         [
@@ -190,19 +234,35 @@ def test_check_equals_markllms_detector_on_markllms_watermarked_text(micro, mark
             for t in texts
         ],
     )
-    key = OwnerKey("kgw", "0" * 64, gamma=0.25, delta=config["delta"], scheme="markllm",
-                   hash_key=config["hash_key"])  # fmt: skip
+    key = OwnerKey(
+        "kgw",
+        "0" * 64,
+        gamma=0.25,
+        delta=config["delta"],
+        scheme="markllm",
+        hash_key=config["hash_key"],
+    )
     key_file = save_key(key, tmp_path / "markllm.key")
-    base = ["owner", "check", "--key", str(key_file), "--in", str(docs), "--model", str(path),
-            "--json"]  # fmt: skip
+    base = [
+        "owner",
+        "check",
+        "--key",
+        str(key_file),
+        "--in",
+        str(docs),
+        "--model",
+        str(path),
+        "--json",
+    ]
     # MarkLLM scores every token (no deduplication): compare with --no-dedupe
     assert main([*base, "--no-dedupe"]) == 0
     every = json.loads(capsys.readouterr().out)
     assert main(base) == 0
     distinct = json.loads(capsys.readouterr().out)
     pairs_total = 0
-    for text, ours, ours_distinct in zip(texts, every["documents"], distinct["documents"],
-                                         strict=True):  # fmt: skip
+    for text, ours, ours_distinct in zip(
+        texts, every["documents"], distinct["documents"], strict=True
+    ):
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
         z, flags = reference.utils.score_sequence(ids)
         assert (ours["green"], ours["scored"]) == (flags.count(1), len(ids) - 1)
@@ -230,11 +290,19 @@ def test_inputs_text_stdin_alpaca_fields_and_chat_roles(tmp_path):
     txt.write_text("One document.\n\nStill the same document.")
     assert read_documents(str(txt)) == [Document("leaked.txt", (txt.read_text(),))]
     assert read_documents("-", stdin=io.StringIO("{plain text}")) == [
-        Document("<stdin>", ("{plain text}",))]  # fmt: skip
-    rows = [{"instruction": "I", "input": "X", "output": "O"},
-            {"messages": [{"role": "user", "content": "U1"}, {"role": "assistant", "content": "A1"},
-                          {"role": "user", "content": "U2"},
-                          {"role": "assistant", "content": "A2"}]}]  # fmt: skip
+        Document("<stdin>", ("{plain text}",))
+    ]
+    rows = [
+        {"instruction": "I", "input": "X", "output": "O"},
+        {
+            "messages": [
+                {"role": "user", "content": "U1"},
+                {"role": "assistant", "content": "A1"},
+                {"role": "user", "content": "U2"},
+                {"role": "assistant", "content": "A2"},
+            ]
+        },
+    ]
     jsonl = _jsonl(tmp_path / "rows.jsonl", rows)
     assert [d.texts for d in read_documents(str(jsonl))] == [("O",), ("A1", "A2")]
     assert [d.texts for d in read_documents(str(jsonl), "user")] == [(), ("U1", "U2")]
@@ -247,8 +315,11 @@ def test_inputs_text_stdin_alpaca_fields_and_chat_roles(tmp_path):
 
 def test_every_owner_option_has_help():
     parser = build_parser()
-    owner = next(a for a in parser._subparsers._group_actions[0].choices["owner"]._actions
-                 if a.dest == "owner")  # fmt: skip
+    owner = next(
+        a
+        for a in parser._subparsers._group_actions[0].choices["owner"]._actions
+        if a.dest == "owner"
+    )
     assert set(owner.choices) == {"keygen", "watermark", "check", "detect", "score"}
     for name, sub in owner.choices.items():
         for action in sub._actions:
@@ -261,16 +332,19 @@ def owner_key(tmp_path):
     return save_key(generate_key(), tmp_path / "owner.key")
 
 
-@pytest.mark.parametrize(("case", "message"), [
-    ("missing", "--in: '{in}' does not exist (a .txt file"),
-    ("empty", "--in: '{in}' is empty: no text to check"),
-    ("folder", "--in: '{in}' is a folder; give a file (a .txt file"),
-    ("fk key", "--key: this is a fk key; this step needs a kgw key"),
-    ("no rows", "--in: '{in}' holds no rows"),
-    ("no field", "--field: no row has a 'title' field or 'title' turns"),
-    ("field of a text", "--field: for .jsonl/.json rows only"),
-    ("no tokenizer", "--model '{model}': the key's tokenizer is not available"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", "--in: '{in}' does not exist (a .txt file"),
+        ("empty", "--in: '{in}' is empty: no text to check"),
+        ("folder", "--in: '{in}' is a folder; give a file (a .txt file"),
+        ("fk key", "--key: this is a fk key; this step needs a kgw key"),
+        ("no rows", "--in: '{in}' holds no rows"),
+        ("no field", "--field: no row has a 'title' field or 'title' turns"),
+        ("field of a text", "--field: for .jsonl/.json rows only"),
+        ("no tokenizer", "--model '{model}': the key's tokenizer is not available"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, owner_key, capsys, case, message):
     key, target, extra = owner_key, tmp_path / "texts.txt", []
     if case == "missing":

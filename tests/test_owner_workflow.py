@@ -31,26 +31,47 @@ def owner_files(tiny_cache, tmp_path_factory):
     key = root / "owner.key"
     assert main(["owner", "keygen", "--out", str(key), "--delta", "6"]) == 0
     corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(
-        json.dumps({"instruction": r.instruction, "input": r.input, "output": r.output}) + "\n"
-        for r in generate_corpus(24, seed=41)
-    ))  # fmt: skip
+    corpus.write_text(
+        "".join(
+            json.dumps({"instruction": r.instruction, "input": r.input, "output": r.output}) + "\n"
+            for r in generate_corpus(24, seed=41)
+        )
+    )
     model = ensure_tiny(TinyModelConfig(**MICRO_TINY), tiny_cache)
     wm = root / "wm.jsonl"
-    args = ["owner", "watermark", "--key", str(key), "--in", str(corpus), "--out", str(wm),
-            "--model", str(model), "--max-new-tokens", "24", "--min-tokens", "4"]  # fmt: skip
+    args = [
+        "owner",
+        "watermark",
+        "--key",
+        str(key),
+        "--in",
+        str(corpus),
+        "--out",
+        str(wm),
+        "--model",
+        str(model),
+        "--max-new-tokens",
+        "24",
+        "--min-tokens",
+        "4",
+    ]
     assert main(args) == 0
     return key, wm
 
 
 @pytest.mark.parametrize("decorrelate", [True, False])
-def test_deployed_workflow_gives_the_simulations_verdicts(tiny_cache, owner_files, tmp_path,
-                                                          capsys, decorrelate):  # fmt: skip
+def test_deployed_workflow_gives_the_simulations_verdicts(
+    tiny_cache, owner_files, tmp_path, capsys, decorrelate
+):
     """With cross-talk undone the owner does not read the SA mean (its scores hold no center
     statistics, as the server's in-process scoring does not read it); without, it does."""
     key, wm = owner_files
-    common = _small(tiny_cache, f"watermark.documents={wm}", "watermark.r=2",
-                    f"attribution.decorrelate={str(decorrelate).lower()}")  # fmt: skip
+    common = _small(
+        tiny_cache,
+        f"watermark.documents={wm}",
+        "watermark.r=2",
+        f"attribution.decorrelate={str(decorrelate).lower()}",
+    )
     # the server: no key; it exports each round's release
     deployed = tmp_path / "deployed"
     assert main(["run", "--out", str(deployed), *_args(*common, "attribution.scoring=owner")]) == 0
@@ -88,13 +109,29 @@ def test_deployed_workflow_gives_the_simulations_verdicts(tiny_cache, owner_file
         assert "score the round again" in capsys.readouterr().err
 
 
-def test_missing_or_altered_round_files_are_one_clear_line(tiny_cache, owner_files, tmp_path,
-                                                           capsys):  # fmt: skip
+def test_missing_or_altered_round_files_are_one_clear_line(
+    tiny_cache, owner_files, tmp_path, capsys
+):
     key, wm = owner_files
     run = tmp_path / "run"
-    assert main(["run", "--out", str(run), *_args(*_small(
-        tiny_cache, f"watermark.documents={wm}", "fl.rounds=1", "attribution.scoring=owner"
-    ))]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "run",
+                "--out",
+                str(run),
+                *_args(
+                    *_small(
+                        tiny_cache,
+                        f"watermark.documents={wm}",
+                        "fl.rounds=1",
+                        "attribution.scoring=owner",
+                    )
+                ),
+            ]
+        )
+        == 0
+    )
     (folder,) = sorted((run / "rounds").glob("round-*"))
     capsys.readouterr()
     with open(folder / "estimates.safetensors", "ab") as f:

@@ -250,17 +250,38 @@ def test_the_calibrated_plot_draws_the_verdict_that_results_json_states(tmp_path
     from fedattr.pipeline.run import run_demo
     from fedattr.reporting.plots import build_attribution_figure
 
-    cfg = load(DemoConfig, None, ["synthetic.dim=256", "secagg.backend=plaintext",
-                                  "synthetic.signal=1.2", "synthetic.seed=3"])  # fmt: skip
+    cfg = load(
+        DemoConfig,
+        None,
+        [
+            "synthetic.dim=256",
+            "secagg.backend=plaintext",
+            "synthetic.signal=1.2",
+            "synthetic.seed=3",
+        ],
+    )
     folder = run_demo(cfg, progress=lambda _m: None).write(tmp_path / "run")
     results = json.loads(folder.file("results.json").read_text())
     assert results["statistic"] == "calibrated"
-    clients = [ClientAttribution(c["id"], {int(t): v for t, v in c["z"].items()}, c["Z"], c["p"],
-                                 c["log10_p"], c["flagged"], c["watermarked"], c["statistic"],
-                                 c.get("p_rank"), c.get("tail"), c.get("calibrated", True))
-               for c in results["clients"]]  # fmt: skip
-    report = AttributionReport(results["gamma"], clients, statistic="calibrated",
-                               alpha=results["alpha"])  # fmt: skip
+    clients = [
+        ClientAttribution(
+            c["id"],
+            {int(t): v for t, v in c["z"].items()},
+            c["Z"],
+            c["p"],
+            c["log10_p"],
+            c["flagged"],
+            c["watermarked"],
+            c["statistic"],
+            c.get("p_rank"),
+            c.get("tail"),
+            c.get("calibrated", True),
+        )
+        for c in results["clients"]
+    ]
+    report = AttributionReport(
+        results["gamma"], clients, statistic="calibrated", alpha=results["alpha"]
+    )
     fig = build_attribution_figure(report)
     try:
         ax = fig.axes[1]

@@ -171,8 +171,9 @@ def test_null_keys_batched_cached_and_streamed_agree(reading_setup):
     budget = 9 * cells * 3 * torch.get_num_threads()  # 3 keys per draw on each CPU thread
     blocked = RandomGreenLists(40, 3, cells, 0.25, cache_bytes=0, draw_bytes=budget)
     assert blocked._rows == 3 and [len(b) for b in blocked._blocks(0)] == [3] * 5 + [1]
-    assert all(torch.equal(torch.cat(list(blocked._blocks(i))), redrawn._chunk(i))
-               for i in range(3))  # fmt: skip
+    assert all(
+        torch.equal(torch.cat(list(blocked._blocks(i))), redrawn._chunk(i)) for i in range(3)
+    )
     # (float32 products of other shapes: the same sums up to rounding)
     assert torch.allclose(blocked.sums(changes), kept, rtol=1e-4, atol=1e-6)
     # A mask is a Bernoulli(gamma) draw: about a quarter of the cells of every key are green.
@@ -210,27 +211,39 @@ def test_stacked_candidates_read_as_loading_each_one(tiny_cache, space):
         state = adapter_state(model)
         state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
     else:
-        zero_b = {f"{n}.lora_B": torch.zeros_like(m.lora_B["default"].weight)
-                  for n, m in lora_layers(model).items()}  # fmt: skip
+        zero_b = {
+            f"{n}.lora_B": torch.zeros_like(m.lora_B["default"].weight)
+            for n, m in lora_layers(model).items()
+        }
         state = {**base_state(model), **zero_b}
     candidates = [state] + [
-        {k: v + 0.02 * torch.randn(v.shape, generator=gen) if "lora_B" not in k or space == "fedit"
-         else v for k, v in state.items()}
+        {
+            k: v + 0.02 * torch.randn(v.shape, generator=gen)
+            if "lora_B" not in k or space == "fedit"
+            else v
+            for k, v in state.items()
+        }
         for _ in range(4)
-    ]  # fmt: skip
+    ]
     texts = encode_examples(tok, generate_corpus(20, seed=3), 64)
     schemes = {"kgw:a": KGWScheme(5, len(tok))}
-    one = KGWReadingScorer(model, texts, schemes, load_state, pad_id=tok.pad_token_id,
-                           batch_size=6)  # fmt: skip
+    one = KGWReadingScorer(model, texts, schemes, load_state, pad_id=tok.pad_token_id, batch_size=6)
     want = [one.observe(c) for c in candidates]
     # Without a stacker the round is fed lazily, one candidate at a time.
     assert not observes_in_batches(one)
     before = {**adapter_state(model), **base_state(model)}
     # A small pass budget splits the five candidates over several stacked passes.
     for budget in (1 << 30, 3 * 6 * 64 * len(tok) * 4):
-        many = KGWReadingScorer(model, texts, schemes, load_state, pad_id=tok.pad_token_id,
-                                batch_size=6, stack=stacked_candidates,
-                                pass_bytes=budget)  # fmt: skip
+        many = KGWReadingScorer(
+            model,
+            texts,
+            schemes,
+            load_state,
+            pad_id=tok.pad_token_id,
+            batch_size=6,
+            stack=stacked_candidates,
+            pass_bytes=budget,
+        )
         assert observes_in_batches(many)
         got = many.observe_many(candidates)
         assert len(got) == len(want)

@@ -111,16 +111,26 @@ def test_reading_scorer_reads_what_each_text_alone_gives(micro):
     model, tok = micro
     texts = encode_examples(tok, generate_corpus(30, seed=5), 96)
     assert len({len(e.input_ids) for e in texts}) > 5  # lengths differ: batches are sorted
-    scorer = KGWReadingScorer(model, texts, {"kgw:a": KGWScheme(3, len(tok))},
-                              lambda m, p: None, pad_id=tok.pad_token_id,
-                              batch_size=7)  # fmt: skip
+    scorer = KGWReadingScorer(
+        model,
+        texts,
+        {"kgw:a": KGWScheme(3, len(tok))},
+        lambda m, p: None,
+        pad_id=tok.pad_token_id,
+        batch_size=7,
+    )
     want = _plain_read(model, scorer)
     got = scorer.observe(None)
     assert torch.allclose(got.double(), want, atol=1e-4)
     assert float(got.sum()) == pytest.approx(scorer.positions, rel=1e-5)
     # A wrapper without a visible output layer reads the same.
-    wrapped = KGWReadingScorer(_NoHead(model), texts, {"kgw:a": KGWScheme(3, len(tok))},
-                               lambda m, p: None, pad_id=tok.pad_token_id)  # fmt: skip
+    wrapped = KGWReadingScorer(
+        _NoHead(model),
+        texts,
+        {"kgw:a": KGWScheme(3, len(tok))},
+        lambda m, p: None,
+        pad_id=tok.pad_token_id,
+    )
     assert torch.allclose(wrapped.observe(None), got, atol=1e-5)
 
 
@@ -157,8 +167,9 @@ def test_training_loss_on_the_response_only_equals_the_full_logits_loss(tiny_cac
             logits = model(input_ids=torch.tensor([ex.input_ids])).logits[0, :-1].double()
             labels = torch.tensor(ex.labels[1:])
             keep = labels != -100
-            total += float(torch.nn.functional.cross_entropy(logits[keep], labels[keep],
-                                                             reduction="sum"))  # fmt: skip
+            total += float(
+                torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum")
+            )
             count += int(keep.sum())
     before = [p.detach().clone() for p in model.parameters()]
     settings = TrainSettings(batch_size=8, micro_batch_size=4, max_steps=1, lr=1e-3)
@@ -183,22 +194,32 @@ def test_stacked_read_with_a_lora_output_layer_reads_each_candidate(micro):
     )
 
     model, tok = micro
-    model = attach_lora(copy.deepcopy(model),
-                        LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "lm_head"]),
-                        seed=2)  # fmt: skip
+    model = attach_lora(
+        copy.deepcopy(model),
+        LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "lm_head"]),
+        seed=2,
+    )
     assert can_stack(model)
     gen = torch.Generator().manual_seed(3)
     state = adapter_state(model)
     assert any(k.endswith("lm_head.lora_A") for k in state)
-    cands = [{k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-             for _ in range(3)]  # fmt: skip
+    cands = [
+        {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+        for _ in range(3)
+    ]
     texts = encode_examples(tok, generate_corpus(12, seed=2), 64)
     schemes = {"kgw:a": KGWScheme(3, len(tok))}
-    one = KGWReadingScorer(model, texts, schemes, load_state, pad_id=tok.pad_token_id,
-                           batch_size=5)  # fmt: skip
+    one = KGWReadingScorer(model, texts, schemes, load_state, pad_id=tok.pad_token_id, batch_size=5)
     want = [one.observe(c) for c in cands]
-    many = KGWReadingScorer(model, texts, schemes, load_state, pad_id=tok.pad_token_id,
-                            batch_size=5, stack=stacked_candidates)  # fmt: skip
+    many = KGWReadingScorer(
+        model,
+        texts,
+        schemes,
+        load_state,
+        pad_id=tok.pad_token_id,
+        batch_size=5,
+        stack=stacked_candidates,
+    )
     for a, b in zip(many.observe_many(cands), want, strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
@@ -217,8 +238,10 @@ def test_shared_prompts_are_read_once_with_the_same_log_probabilities(micro):
     model, tok = micro
     model = attach_lora(copy.deepcopy(model), LoRAConfig(r=4, alpha=8), seed=4)
     gen = torch.Generator().manual_seed(5)
-    load_state(model, {k: v + 0.1 * torch.randn(v.shape, generator=gen)
-                       for k, v in adapter_state(model).items()})  # fmt: skip
+    load_state(
+        model,
+        {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in adapter_state(model).items()},
+    )
     model.eval()
 
     def words(n: int) -> list[int]:
@@ -285,11 +308,13 @@ def test_folded_adapters_read_what_the_adapters_give_and_touch_nothing(micro):
 
     model, tok = micro
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
-    model = attach_lora(copy.deepcopy(model), LoRAConfig(r=8, alpha=16, target_modules=targets),
-                        seed=1)  # fmt: skip
+    model = attach_lora(
+        copy.deepcopy(model), LoRAConfig(r=8, alpha=16, target_modules=targets), seed=1
+    )
     gen = torch.Generator().manual_seed(6)
-    state = {k: v + 0.1 * torch.randn(v.shape, generator=gen)
-             for k, v in adapter_state(model).items()}  # fmt: skip
+    state = {
+        k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in adapter_state(model).items()
+    }
     load_state(model, state)
     model.eval()
     layers = lora_layers(model)
@@ -320,9 +345,11 @@ def test_folded_adapters_read_what_the_adapters_give_and_touch_nothing(micro):
     model.eval()
     with torch.no_grad(), folded_adapters(copy.deepcopy(model).to(torch.bfloat16)) as folded:
         assert not folded
-    with torch.no_grad(), stacked_candidates(model, [state, state]), folded_adapters(
-        model
-    ) as folded:
+    with (
+        torch.no_grad(),
+        stacked_candidates(model, [state, state]),
+        folded_adapters(model) as folded,
+    ):
         assert not folded
     hook = next(iter(layers.values())).base_layer.register_forward_hook(lambda *a: None)
     with torch.no_grad(), folded_adapters(model) as folded:
@@ -349,8 +376,10 @@ def test_generation_decodes_a_lora_model_folded_with_the_adapters_tokens(micro, 
     model, tok = micro
     model = attach_lora(copy.deepcopy(model), LoRAConfig(r=8, alpha=16), seed=2)
     gen = torch.Generator().manual_seed(3)
-    load_state(model, {k: v + 0.1 * torch.randn(v.shape, generator=gen)
-                       for k, v in adapter_state(model).items()})  # fmt: skip
+    load_state(
+        model,
+        {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in adapter_state(model).items()},
+    )
     prompts = [r.instruction for r in generate_corpus(6, seed=4)]
     folds = []
     real = text.folded_adapters

@@ -16,8 +16,12 @@ def test_short_run_end_to_end(tiny_cache, strategy, detector):
     cfg = load(
         RunConfig,
         None,
-        _small(tiny_cache, f"fl.strategy={strategy}", f"watermark.detector={detector}",
-               "attribution.statistic=" + ("paper" if detector == "greedy" else "calibrated")),
+        _small(
+            tiny_cache,
+            f"fl.strategy={strategy}",
+            f"watermark.detector={detector}",
+            "attribution.statistic=" + ("paper" if detector == "greedy" else "calibrated"),
+        ),
     )
     result = run_experiment(cfg, progress=lambda _m: None)
     d = result.to_dict()
@@ -80,8 +84,9 @@ def test_attribution_variants_share_one_training_run(tiny_cache):
     sets = _small(tiny_cache, 'variants=[{"name": "M3", "M": 3}]')
     cfg = load(RunConfig, None, sets)
     result = run_experiment(cfg, progress=lambda _m: None)
-    alone = run_experiment(load(RunConfig, None, _small(tiny_cache, "attribution.M=3")),
-                           progress=lambda _m: None)  # fmt: skip
+    alone = run_experiment(
+        load(RunConfig, None, _small(tiny_cache, "attribution.M=3")), progress=lambda _m: None
+    )
     v = result.variants["M3"]
     assert v["differs"] == {"M": 3}
     # The variant's scores are those of a separate run at M=3: same training, own queries.
@@ -151,8 +156,7 @@ def test_overlapped_scoring_on_a_model_copy_gives_the_same_results(tiny_cache, t
     assert overlapped.sa_queries == inline.sa_queries
 
 
-def test_a_failed_start_leaves_no_folder_to_block_the_corrected_run(tmp_path, monkeypatch,
-                                                                     capsys):  # fmt: skip
+def test_a_failed_start_leaves_no_folder_to_block_the_corrected_run(tmp_path, monkeypatch, capsys):
     from fedattr.errors import UserError
     from fedattr.pipeline import run as run_module
 
@@ -217,24 +221,57 @@ def test_run_inputs_are_checked_before_the_folder_is_written(tmp_path, monkeypat
     (tmp_path / "adir").mkdir()
     os.chmod(save_key(generate_key(), tmp_path / "open.key"), 0o644)
     cases = [
-        (["--set", "data.path=one.json"], "data.path: 'one.json' holds 1 usable record; 1 held "
-         "out as detection texts leaves 0 for fl.K=10 clients, one each at least: give a file "
-         "of at least 11 records"),
+        (
+            ["--set", "data.path=one.json"],
+            "data.path: 'one.json' holds 1 usable record; 1 held "
+            "out as detection texts leaves 0 for fl.K=10 clients, one each at least: give a file "
+            "of at least 11 records",
+        ),
         (["--set", "data.path=adir"], "data.path: 'adir' is a directory; a .json/.jsonl file"),
         (["--config", "adir"], "--config: 'adir' is a directory; a .json or .toml"),
-        (["--set", 'watermark.key_files=["open.key"]'],
-         "watermark.key_files: 'open.key' can be read by other users (mode 0644)"),
-        (["--set", 'watermark.key_files=["adir"]'],
-         "watermark.key_files: 'adir' is a directory; a key file is expected"),
+        (
+            ["--set", 'watermark.key_files=["open.key"]'],
+            "watermark.key_files: 'open.key' can be read by other users (mode 0644)",
+        ),
+        (
+            ["--set", 'watermark.key_files=["adir"]'],
+            "watermark.key_files: 'adir' is a directory; a key file is expected",
+        ),
         (["--set", "watermark.documents=adir"], "watermark.documents: 'adir' is a directory"),
-        (["--set", "model.preset=hf", "--set", "model.name_or_path=./no/model"],
-         "model.name_or_path: './no/model' does not exist (no such folder) and is not a "
-         "Hugging Face id"),
+        (
+            ["--set", "model.preset=hf", "--set", "model.name_or_path=./no/model"],
+            "model.name_or_path: './no/model' does not exist (no such folder) and is not a "
+            "Hugging Face id",
+        ),
         (["--set", "data.records=5"], "data.records: must be >= fl.K=10"),
-    ]  # fmt: skip
+    ]
     for args, message in cases:
         for command in (["run", *args, "--out", "d1"], ["run", *args]):
             assert main(command) == 2
             err = capsys.readouterr().err
             assert message in err and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "one.json", "open.key"]
+
+
+def test_without_the_optional_extras_runs_keep_their_results_and_say_what_to_install(
+    tmp_path, monkeypatch, capsys
+):
+    import fedattr.errors
+    import fedattr.reporting.run_folder as run_folder
+
+    # No matplotlib: the run's results and report, and one line instead of the plot.
+    monkeypatch.setattr(run_folder, "has_module", lambda m: m != "matplotlib")
+    out = tmp_path / "demo"
+    assert main(["demo-protocol", "--out", str(out), "--set", "synthetic.dim=64"]) == 0
+    report = (out / "report.md").read_text()
+    assert "attribution.png not drawn: pip install 'fedattr[plots]'" in report
+    assert (out / "results.json").is_file() and not (out / "attribution.png").exists()
+    # No scikit-learn: baselines refused in one line before any folder is written; the
+    # figure-making experiments likewise without matplotlib.
+    monkeypatch.setattr(fedattr.errors, "has_module", lambda m: m not in ("sklearn", "matplotlib"))
+    capsys.readouterr()
+    assert main(["run", "--out", str(tmp_path / "b"), "--set", "baselines=true"]) == 2
+    assert "needs sklearn: pip install 'fedattr[baselines]'" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+    assert main(["experiment", "calibration", "--out", str(tmp_path / "c")]) == 2
+    assert "needs matplotlib: pip install 'fedattr[plots]'" in capsys.readouterr().err

@@ -225,8 +225,10 @@ def test_server_sums_every_upload_once_whatever_its_threads(threads, workers):
     members = (3, 5, 8, 11, 12)
     top = np.iinfo(np.int64)
     gen = np.random.default_rng(4)
-    uploads = {j: torch.from_numpy(gen.integers(top.min, top.max, 1000, dtype=np.int64,
-                                                endpoint=True)) for j in members}  # fmt: skip
+    uploads = {
+        j: torch.from_numpy(gen.integers(top.min, top.max, 1000, dtype=np.int64, endpoint=True))
+        for j in members
+    }
     asked, recycled = [], []
     # The first upload of each thread waits for the others' first: every thread adds some.
     started = threading.Barrier(threads or 1, timeout=30)
@@ -240,8 +242,9 @@ def test_server_sums_every_upload_once_whatever_its_threads(threads, workers):
 
     pool = None if threads is None else ThreadPoolExecutor(threads)
     server = PairwiseMaskServer()
-    total, moved = server.run_query(2, 7, members, collect, pool=pool, workers=workers,
-                                    recycle=recycled.append)  # fmt: skip
+    total, moved = server.run_query(
+        2, 7, members, collect, pool=pool, workers=workers, recycle=recycled.append
+    )
     want = np.zeros(1000, dtype=np.int64)
     for y in uploads.values():
         want = want + y.numpy()  # wrapping int64: the ring Z_2^64
@@ -265,8 +268,9 @@ def test_a_failing_upload_stops_the_query_and_no_thread_outlives_it():
         return torch.zeros(4, dtype=torch.int64)
 
     with pytest.raises(ValueError, match="member 1 broke"):
-        PairwiseMaskServer().run_query(0, 0, members, collect, pool=ThreadPoolExecutor(3),
-                                       workers=3)  # fmt: skip
+        PairwiseMaskServer().run_query(
+            0, 0, members, collect, pool=ThreadPoolExecutor(3), workers=3
+        )
     seen = len(asked)
     threading.Event().wait(0.1)
     assert len(asked) == seen  # no thread was still uploading when the error came back

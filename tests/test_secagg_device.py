@@ -46,8 +46,17 @@ def test_backends_on_the_device_path_answer_exactly(monkeypatch, backend, ring):
     bits, frac = ring
     gen = torch.Generator().manual_seed(3)
     ups = [torch.randn(300, generator=gen, dtype=torch.float64) for _ in range(5)]
-    sa = make_aggregator(SecAggConfig(backend, min_members=2, ring_bits=bits, frac_bits=frac,
-                                      clip=8.0, device="cpu", prg="chacha20"))  # fmt: skip
+    sa = make_aggregator(
+        SecAggConfig(
+            backend,
+            min_members=2,
+            ring_bits=bits,
+            frac_bits=frac,
+            clip=8.0,
+            device="cpu",
+            prg="chacha20",
+        )
+    )
     sa.open_round(0, range(5))
     for j, u in enumerate(ups):
         sa.submit(j, u)

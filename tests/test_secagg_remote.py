@@ -30,10 +30,14 @@ K = 6
 def _remote(min_members=3, budget=None, party_min=None, party_budget="same"):
     codec = FixedPointCodec()
     parties = {
-        c: MaskingParty(c, codec, min_members=party_min or min_members,
-                        release_budget=budget if party_budget == "same" else party_budget)
+        c: MaskingParty(
+            c,
+            codec,
+            min_members=party_min or min_members,
+            release_budget=budget if party_budget == "same" else party_budget,
+        )
         for c in range(K)
-    }  # fmt: skip
+    }
     transport = LocalTransport(parties)
     sa = RemoteMaskingServer(transport, min_members, codec, release_budget=budget)
     sa.open_round(2, range(K))
@@ -55,9 +59,7 @@ def _reference(min_members=3, budget=None):
 
 
 def _timeless(log):
-    return [
-        dataclasses.replace(r, seconds=0.0, client_seconds_max=0.0, bytes_moved=0) for r in log
-    ]
+    return [dataclasses.replace(r, seconds=0.0, client_seconds_max=0.0, bytes_moved=0) for r in log]
 
 
 def test_batch_matches_in_process_pairwise_masking_in_one_exchange():

@@ -13,7 +13,8 @@ from fedattr.experiments.sweep import SweepSpec, parse_grid
 def test_grid_parsing_and_grouping():
     grid = parse_grid(["attribution.M=2,3", "watermark.r=0,1"])
     assert [(a.label, [v for v, _ in a.values]) for a in grid] == [
-        ("attribution.M", ["2", "3"]), ("watermark.r", ["0", "1"])
+        ("attribution.M", ["2", "3"]),
+        ("watermark.r", ["0", "1"]),
     ]
     assert grid[0].values[1] == ("3", {"attribution.M": "3"})
     spec = SweepSpec(grid, seeds=[0])
@@ -23,8 +24,13 @@ def test_grid_parsing_and_grouping():
     assert sorted(spec.groups()) == ["watermark.r=0", "watermark.r=1"]
     assert all(len(m) == 2 for m in spec.groups().values())
     assert len(SweepSpec(parse_grid(["attribution.mode=paper,hardened"])).groups()) == 2
-    for bad, msg in [([], "at least one"), (["M"], "expected KEY=v1"), (["a.b="], "expected"),
-                     (["a.b=1", "a.b=2"], "given twice"), (["a.b=1,1"], "repeated")]:  # fmt: skip
+    for bad, msg in [
+        ([], "at least one"),
+        (["M"], "expected KEY=v1"),
+        (["a.b="], "expected"),
+        (["a.b=1", "a.b=2"], "given twice"),
+        (["a.b=1,1"], "repeated"),
+    ]:
         with pytest.raises(UserError, match=msg):
             parse_grid(bad)
     with pytest.raises(UserError, match="--preset"):
@@ -33,8 +39,16 @@ def test_grid_parsing_and_grouping():
 
 def test_micro_sweep_trains_once_per_training_point_and_resumes(tiny_cache, tmp_path, capsys):
     out = tmp_path / "sweep"
-    args = ["experiment", "sweep", "--grid", "attribution.M=2,3", "--grid", "watermark.r=0,1",
-            "--out", str(out)]  # fmt: skip
+    args = [
+        "experiment",
+        "sweep",
+        "--grid",
+        "attribution.M=2,3",
+        "--grid",
+        "watermark.r=0,1",
+        "--out",
+        str(out),
+    ]
     for s in _small(tiny_cache, "fl.rounds=1"):
         args += ["--set", s]
     assert main(args) == 0
@@ -108,9 +122,14 @@ def test_overhead_layout_reports_work_per_stage(tiny_cache, tmp_path):
     from fedattr.experiments.tables import TABLES
 
     assert TABLES["overhead"].layout == "overhead"
-    spec = SweepSpec([Axis.of_key("fl.K", ["4"])], seeds=[0],
-                     overrides=_small(tiny_cache, "fl.rounds=1"), name="overhead",
-                     extra=dict(TABLES["overhead"].extra), layout="overhead")  # fmt: skip
+    spec = SweepSpec(
+        [Axis.of_key("fl.K", ["4"])],
+        seeds=[0],
+        overrides=_small(tiny_cache, "fl.rounds=1"),
+        name="overhead",
+        extra=dict(TABLES["overhead"].extra),
+        layout="overhead",
+    )
     summary = run_sweep(spec, tmp_path / "ovh", progress=lambda _m: None)
     (point,) = summary["points"]
     # 2MKT subset queries (M=2, K=4, T=1) plus the round's aggregate; K candidates and the
@@ -136,6 +155,7 @@ def test_a_sweep_killed_mid_run_resumes_to_the_same_table(tiny_cache, tmp_path, 
         def say(message):
             if len(calls) == 2 and "round 2" in message:
                 raise KeyboardInterrupt  # after round 1's checkpoint
+
         return real(cfg, progress=say, folder=folder)
 
     monkeypatch.setattr(main_module, "run_experiment", killed_in_round_two_of_the_second_run)

@@ -69,8 +69,9 @@ def test_one_pick_per_row_is_exact_by_enumeration():
     rng = np.random.default_rng(7)
     W = _centred(rng.normal(size=(4, 6)))
     law = RowSubsets(1, 6)
-    sums = np.array([sum(W[r, c] for r, c in enumerate(cs))
-                     for cs in itertools.product(range(6), repeat=4)])  # fmt: skip
+    sums = np.array(
+        [sum(W[r, c] for r, c in enumerate(cs)) for cs in itertools.product(range(6), repeat=4)]
+    )
     for t in (W[:, 0].sum(), 1.5, -0.3):
         tail = law.tail(torch.tensor(W), float(t))
         assert tail.method == "exact"

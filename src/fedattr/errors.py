@@ -15,9 +15,12 @@ class UserError(ValueError):
 
 
 def require_file(
-    path: str | Path, option: str, expected: str = "a file", hint: str = "",
+    path: str | Path,
+    option: str,
+    expected: str = "a file",
+    hint: str = "",
     error: type[UserError] = UserError,
-) -> Path:  # fmt: skip
+) -> Path:
     """``path`` when it is an existing file; else ``error`` naming ``option`` and saying what is
     there instead (a directory, nothing). ``expected`` names the file wanted (``a .json or
     .toml file``); ``hint`` follows a missing file's message (``make one with ...``)."""
@@ -27,3 +30,17 @@ def require_file(
     if not p.is_file():
         raise error(f"{option}: {str(p)!r} does not exist{f' ({hint})' if hint else ''}")
     return p
+
+
+def has_module(module: str) -> bool:
+    """Whether ``module`` can be imported (an optional extra installed)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def require_extra(module: str, extra: str, purpose: str) -> None:
+    """A :class:`UserError` naming the extra to install when ``module`` (of the optional extra
+    ``extra``) is missing; checked before work starts, so no work is lost to it."""
+    if not has_module(module):
+        raise UserError(f"{purpose} needs {module}: pip install 'fedattr[{extra}]'")

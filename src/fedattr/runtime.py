@@ -60,8 +60,10 @@ def default_threads() -> tuple[int, str | None]:
     free = max(1, cpus - busy_cpus())
     if free >= cpus:
         return cpus, None
-    note = (f"the machine is busy (load {os.getloadavg()[0]:.1f} on {cpus} CPUs): using "
-            f"{free} thread{'s' if free > 1 else ''}; set FEDATTR_THREADS to choose")  # fmt: skip
+    note = (
+        f"the machine is busy (load {os.getloadavg()[0]:.1f} on {cpus} CPUs): using "
+        f"{free} thread{'s' if free > 1 else ''}; set FEDATTR_THREADS to choose"
+    )
     return free, note
 
 

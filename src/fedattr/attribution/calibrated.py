@@ -103,9 +103,11 @@ def _design_matrix(designs: Sequence[QueryDesign], order: Sequence[int]) -> np.n
 
 
 def cross_talk(
-    participants: Sequence[int], targets: Sequence[int], designs: Sequence[QueryDesign],
+    participants: Sequence[int],
+    targets: Sequence[int],
+    designs: Sequence[QueryDesign],
     decorrelate: bool = True,
-) -> np.ndarray | None:  # fmt: skip
+) -> np.ndarray | None:
     """The round's design matrix where its cross-talk is undone (every participant a target,
     a well-conditioned design), else ``None``."""
     if not (decorrelate and targets and sorted(targets) == sorted(participants)):
@@ -146,11 +148,15 @@ def standardise_round(
             # Row by row in float64 (not a matrix product, whose summation order depends on
             # the threads that run it): the same bits in a background scorer as in line.
             inv = np.linalg.inv(A)
-            X = torch.stack([
-                sum((float(inv[i, k]) * Y[k].double() for k in range(len(Y))),
-                    torch.zeros(Y.shape[1], dtype=torch.float64)).float()
-                for i in range(len(Y))
-            ])  # fmt: skip
+            X = torch.stack(
+                [
+                    sum(
+                        (float(inv[i, k]) * Y[k].double() for k in range(len(Y))),
+                        torch.zeros(Y.shape[1], dtype=torch.float64),
+                    ).float()
+                    for i in range(len(Y))
+                ]
+            )
             C = _median(X)
         else:
             X = Y
@@ -173,9 +179,14 @@ class CalibratedNull:
     values ``<W_i, G>``; :meth:`report` turns them into exact p-values and flags."""
 
     def __init__(
-        self, alpha: float = 0.01, decorrelate: bool = True, null_keys: int = 200,
-        seed: int = 0, name_uncalibrated: bool = False, token_centring: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        alpha: float = 0.01,
+        decorrelate: bool = True,
+        null_keys: int = 200,
+        seed: int = 0,
+        name_uncalibrated: bool = False,
+        token_centring: bool = False,
+    ) -> None:
         self.alpha, self.decorrelate, self.token_centring = alpha, decorrelate, token_centring
         self.null_keys, self.seed, self.name_uncalibrated = null_keys, seed, name_uncalibrated
         self.W: dict[int, dict[str, torch.Tensor]] = {}  # client -> part -> sum over rounds
@@ -211,7 +222,13 @@ class CalibratedNull:
             return {}
         laws = scorer.key_laws()
         standard, decorrelated = standardise_round(
-            participants, targets, designs, changes, center, laws, self.decorrelate,
+            participants,
+            targets,
+            designs,
+            changes,
+            center,
+            laws,
+            self.decorrelate,
             self.token_centring,
         )
         self.decorrelated[round_id] = decorrelated
@@ -228,10 +245,16 @@ class CalibratedNull:
         return display
 
     def add(
-        self, round_id: int, target: int, parts: Parts, values: Mapping[str, float],
-        laws: Mapping[str, KeyLaw], owner_parts: Mapping[str, str], valid: bool = True,
+        self,
+        round_id: int,
+        target: int,
+        parts: Parts,
+        values: Mapping[str, float],
+        laws: Mapping[str, KeyLaw],
+        owner_parts: Mapping[str, str],
+        valid: bool = True,
         decorrelated: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Add one (target, round)'s standardised changes and its owners' values (each owner's
         value has unit null variance: it is also the round's displayed statistic)."""
         for part, law in laws.items():
@@ -280,11 +303,18 @@ class CalibratedNull:
             log10_p = min(0.0, math.log10(S) + best.log10_p)
             p_rank = None if best.p_rank is None else min(1.0, S * best.p_rank)
             row = ClientAttribution(
-                id=c, z=dict(best.z), Z=best.Z, p=min(1.0, S * best.p), log10_p=log10_p,
-                flagged=any(r.flagged for r in rows), watermarked=watermarked,
-                statistic=best.statistic, p_rank=p_rank, tail=best.tail,
+                id=c,
+                z=dict(best.z),
+                Z=best.Z,
+                p=min(1.0, S * best.p),
+                log10_p=log10_p,
+                flagged=any(r.flagged for r in rows),
+                watermarked=watermarked,
+                statistic=best.statistic,
+                p_rank=p_rank,
+                tail=best.tail,
                 calibrated=best.calibrated,
-            )  # fmt: skip
+            )
             combined.clients.append(row)
         for rep in [combined, *components.values()]:
             rep.statistic, rep.alpha, rep.null_keys = "calibrated", self.alpha, self.null_keys
@@ -310,16 +340,31 @@ class CalibratedNull:
         return out
 
     def _client_owner(
-        self, client: int, owner: str, watermarked: bool | None, level: float,
+        self,
+        client: int,
+        owner: str,
+        watermarked: bool | None,
+        level: float,
         ranks: Mapping[str, Mapping[int, np.ndarray]],
-    ) -> ClientAttribution:  # fmt: skip
+    ) -> ClientAttribution:
         z = dict(self.per_round.get(client, {}).get(owner, {}))
         part = self.parts[owner]
         W = self.W.get(client, {}).get(part)
         valid = self.valid.get(owner, True) and client not in self.cross_talk
         if W is None or owner not in self.values.get(client, {}):
-            return ClientAttribution(client, z, 0.0, 1.0, 0.0, False, watermarked, owner, None,
-                                     tail=None, calibrated=valid)  # fmt: skip
+            return ClientAttribution(
+                client,
+                z,
+                0.0,
+                1.0,
+                0.0,
+                False,
+                watermarked,
+                owner,
+                None,
+                tail=None,
+                calibrated=valid,
+            )
         law = law_from_dict(self.laws[part])
         value = self.values[client][owner]
         sd = math.sqrt(law.variance(W))
@@ -331,15 +376,32 @@ class CalibratedNull:
             p_rank = (1 + int(np.sum(null >= value))) / (len(null) + 1)
         named = tail.log10_p < math.log10(level) and (valid or self.name_uncalibrated)
         return ClientAttribution(
-            client, z, score, tail.p, tail.log10_p, named, watermarked, owner, p_rank,
-            tail=tail.method, calibrated=valid,
-        )  # fmt: skip
+            client,
+            z,
+            score,
+            tail.p,
+            tail.log10_p,
+            named,
+            watermarked,
+            owner,
+            p_rank,
+            tail=tail.method,
+            calibrated=valid,
+        )
 
     def state(self) -> dict:
         """For checkpoints."""
-        return {"format": 2, "W": self.W, "values": self.values, "per_round": self.per_round,
-                "decorrelated": self.decorrelated, "laws": self.laws, "parts": self.parts,
-                "valid": self.valid, "cross_talk": sorted(self.cross_talk)}  # fmt: skip
+        return {
+            "format": 2,
+            "W": self.W,
+            "values": self.values,
+            "per_round": self.per_round,
+            "decorrelated": self.decorrelated,
+            "laws": self.laws,
+            "parts": self.parts,
+            "valid": self.valid,
+            "cross_talk": sorted(self.cross_talk),
+        }
 
     def load(self, state: Mapping) -> None:
         """Restore :meth:`state`."""

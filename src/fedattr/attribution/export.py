@@ -25,11 +25,14 @@ class ExportObserver(Observer):
     """FedAttr's phase 1 each round, then the round's release written for the owners; no
     scores (the server holds no key)."""
 
-    def __init__(self, fedattr: FedAttr, run_dir: str | Path, run_config: Mapping,
-                 name: str = "fedattr") -> None:  # fmt: skip
+    def __init__(
+        self, fedattr: FedAttr, run_dir: str | Path, run_config: Mapping, name: str = "fedattr"
+    ) -> None:
         if fedattr.config.statistic != "calibrated":
-            raise UserError("attribution.scoring=owner: needs attribution.statistic=calibrated "
-                            "(owners return key statistics, not the paper's z)")  # fmt: skip
+            raise UserError(
+                "attribution.scoring=owner: needs attribution.statistic=calibrated "
+                "(owners return key statistics, not the paper's z)"
+            )
         self.fedattr, self.run_dir, self.name = fedattr, Path(run_dir), name
         self.records: list[dict] = []
         self.timing = {"sa_s": 0.0, "scoring_s": 0.0}
@@ -42,14 +45,26 @@ class ExportObserver(Observer):
         seconds = time.perf_counter() - t0
         ctx.timing.add("sa_s", seconds)
         self.timing["sa_s"] += seconds
-        folder = write_round(round_dir(self.run_dir, ctx.round), estimates, ctx.reference,
-                             ctx.mean_update, self.fedattr)  # fmt: skip
-        self.records.append({"round": ctx.round, "participants": list(estimates.participants),
-                             "targets": [e.target for e in estimates.estimates],
-                             "dropouts": list(estimates.dropouts),
-                             "exported": str(folder.relative_to(self.run_dir))})  # fmt: skip
-        ctx.progress(f"[round {ctx.round}/{ctx.rounds}] {len(estimates.estimates)} estimates "
-                     f"exported for the owners to {folder}")  # fmt: skip
+        folder = write_round(
+            round_dir(self.run_dir, ctx.round),
+            estimates,
+            ctx.reference,
+            ctx.mean_update,
+            self.fedattr,
+        )
+        self.records.append(
+            {
+                "round": ctx.round,
+                "participants": list(estimates.participants),
+                "targets": [e.target for e in estimates.estimates],
+                "dropouts": list(estimates.dropouts),
+                "exported": str(folder.relative_to(self.run_dir)),
+            }
+        )
+        ctx.progress(
+            f"[round {ctx.round}/{ctx.rounds}] {len(estimates.estimates)} estimates "
+            f"exported for the owners to {folder}"
+        )
 
     def state(self) -> dict:
         return {"records": self.records, "timing": self.timing}

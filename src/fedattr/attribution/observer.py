@@ -25,9 +25,15 @@ class AttributionObserver(Observer):
     before the next round's attribution starts.
     """
 
-    def __init__(self, fedattr: FedAttr, scorer: Any, name: str = "fedattr",
-                 primary: bool = True, marked: Collection[int] = (),
-                 background: Executor | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        fedattr: FedAttr,
+        scorer: Any,
+        name: str = "fedattr",
+        primary: bool = True,
+        marked: Collection[int] = (),
+        background: Executor | None = None,
+    ) -> None:
         self.fedattr, self.scorer, self.name, self.primary = fedattr, scorer, name, primary
         self.marked = set(marked)
         """Clients starred in progress lines (the simulation's watermarked ones)."""
@@ -73,9 +79,13 @@ class AttributionObserver(Observer):
     def _score(self, ctx: RoundContext, estimates: Any, on_target: Any) -> tuple[Any, float]:
         t0 = time.perf_counter()
         record = self.fedattr.score_round(
-            estimates, ctx.reference, self.scorer, apply=ctx.apply, center=ctx.mean_update,
+            estimates,
+            ctx.reference,
+            self.scorer,
+            apply=ctx.apply,
+            center=ctx.mean_update,
             on_target=on_target,
-        )  # fmt: skip
+        )
         return record, time.perf_counter() - t0
 
     def _record(self, ctx: RoundContext, record: Any, seconds: float) -> None:

@@ -34,11 +34,19 @@ def attribute_run(run_dir: str | Path) -> tuple[AttributionReport, list[str]]:
     run = Path(run_dir)
     folders = round_folders(run)
     if not folders:
-        raise UserError(f"RUN_DIR: {str(run)!r} holds no rounds/round-* folders (a run with "
-                        "attribution.scoring=owner exports them)")  # fmt: skip
+        raise UserError(
+            f"RUN_DIR: {str(run)!r} holds no rounds/round-* folders (a run with "
+            "attribution.scoring=owner exports them)"
+        )
     att = from_dict(AttributionConfig, read_run(folders[0]).get("attribution", {}))
-    null = CalibratedNull(att.alpha, att.decorrelate, att.null_keys, att.seed,
-                          att.name_uncalibrated, att.token_centring)  # fmt: skip
+    null = CalibratedNull(
+        att.alpha,
+        att.decorrelate,
+        att.null_keys,
+        att.seed,
+        att.name_uncalibrated,
+        att.token_centring,
+    )
     owners: list[str] | None = None
     for folder in folders:
         manifest = read_manifest(folder)
@@ -52,9 +60,10 @@ def attribute_run(run_dir: str | Path) -> tuple[AttributionReport, list[str]]:
                 f"by {owners}: every round needs the same owners"
             )
         null.decorrelated[t] = null.decorrelates(
-            manifest["participants"], manifest["targets"],
+            manifest["participants"],
+            manifest["targets"],
             [design_from_dict(d) for d in manifest["designs"]],
-        )  # fmt: skip
+        )
         for owner, s in scores.items():
             if s.get("decorrelated") != null.decorrelated[t]:
                 raise UserError(
@@ -66,12 +75,20 @@ def attribute_run(run_dir: str | Path) -> tuple[AttributionReport, list[str]]:
             changes = read_changes(folder, s)
             for x in manifest["targets"]:
                 if str(x) not in s["targets"] or str(x) not in changes:
-                    raise UserError(f"round folder {str(folder)!r}: the scores of {owner} miss "
-                                    f"target {x}; score the round again")  # fmt: skip
+                    raise UserError(
+                        f"round folder {str(folder)!r}: the scores of {owner} miss "
+                        f"target {x}; score the round again"
+                    )
                 # Each owner reads its own texts: its changes are its own part.
-                null.add(t, int(x), {owner: changes[str(x)]}, {owner: s["targets"][str(x)]},
-                         {owner: law}, {owner: owner},
-                         decorrelated=null.decorrelated[t])  # fmt: skip
+                null.add(
+                    t,
+                    int(x),
+                    {owner: changes[str(x)]},
+                    {owner: s["targets"][str(x)]},
+                    {owner: law},
+                    {owner: owner},
+                    decorrelated=null.decorrelated[t],
+                )
     return null.report(_truth(run)), owners or []
 
 

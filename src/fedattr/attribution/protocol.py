@@ -214,8 +214,9 @@ class FedAttr:
         """
         self.statistic.use_scorer(scorer)
         updates = [estimates.layout.unflatten(e.flat) for e in estimates.estimates]
-        return self.statistic.score_round(estimates, updates, reference, scorer,
-                                          apply or add_update, center, on_target)  # fmt: skip
+        return self.statistic.score_round(
+            estimates, updates, reference, scorer, apply or add_update, center, on_target
+        )
 
     @property
     def statistics(self) -> list[str]:

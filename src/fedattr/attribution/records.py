@@ -57,7 +57,6 @@ class RoundRecord:
         return asdict(self)
 
 
-
 @dataclass
 class Estimate:
     """One target's estimate from phase 1 (flat, in the SA layout)."""

@@ -82,18 +82,28 @@ def design_to_dict(design: QueryDesign) -> dict:
     """JSON-ready form of one target's design."""
     stats = asdict(design.stats)
     stats["alpha"] = {str(k): v for k, v in stats["alpha"].items()}
-    return {"target": design.target, "U": [list(u) for u in design.U],
-            "V": [list(v) for v in design.V], "participants": list(design.participants),
-            "redraws": design.redraws, "stats": stats}  # fmt: skip
+    return {
+        "target": design.target,
+        "U": [list(u) for u in design.U],
+        "V": [list(v) for v in design.V],
+        "participants": list(design.participants),
+        "redraws": design.redraws,
+        "stats": stats,
+    }
 
 
 def design_from_dict(d: Mapping) -> QueryDesign:
     """Inverse of :func:`design_to_dict`."""
     stats = dict(d["stats"])
     stats["alpha"] = {int(k): float(v) for k, v in stats["alpha"].items()}
-    return QueryDesign(int(d["target"]), tuple(tuple(u) for u in d["U"]),
-                       tuple(tuple(v) for v in d["V"]), DesignStats(**stats),
-                       int(d["redraws"]), tuple(d["participants"]))  # fmt: skip
+    return QueryDesign(
+        int(d["target"]),
+        tuple(tuple(u) for u in d["U"]),
+        tuple(tuple(v) for v in d["V"]),
+        DesignStats(**stats),
+        int(d["redraws"]),
+        tuple(d["participants"]),
+    )
 
 
 def write_run(run_dir: str | Path, run_config: Mapping) -> None:
@@ -108,8 +118,9 @@ def read_run(folder: Path) -> dict:
     types it)."""
     path = folder.parent / RUN_FILE
     if not path.is_file():
-        raise RoundFolderError(f"{str(path)!r} is missing: the run's configuration comes with "
-                               "its round folders")  # fmt: skip
+        raise RoundFolderError(
+            f"{str(path)!r} is missing: the run's configuration comes with its round folders"
+        )
     return read_json(path)
 
 
@@ -118,8 +129,10 @@ def write_round(
 ) -> Path:
     """One round's release to the owners (see the module docstring); returns the folder."""
     if not isinstance(reference, Mapping):
-        raise UserError("attribution.scoring=owner: exports need a mapping of named tensors "
-                        "(an LLM federation); the synthetic federation has none")  # fmt: skip
+        raise UserError(
+            "attribution.scoring=owner: exports need a mapping of named tensors "
+            "(an LLM federation); the synthetic federation has none"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     updates = {}
     for e in estimates.estimates:
@@ -134,15 +147,20 @@ def write_round(
     }
     cfg = fedattr.config
     manifest = {
-        "format": ROUND_FORMAT, "round": estimates.round,
+        "format": ROUND_FORMAT,
+        "round": estimates.round,
         "participants": list(estimates.participants),
         "targets": [e.target for e in estimates.estimates],
         "designs": [design_to_dict(e.design) for e in estimates.estimates],
-        "skipped": list(estimates.skipped), "dropouts": list(estimates.dropouts),
-        "null_keys": cfg.null_keys, "seed": cfg.seed, "sha256": digests,
-    }  # fmt: skip
-    write_atomic(folder / "manifest.json",
-                 lambda tmp: tmp.write_text(json.dumps(manifest, indent=2)))  # fmt: skip
+        "skipped": list(estimates.skipped),
+        "dropouts": list(estimates.dropouts),
+        "null_keys": cfg.null_keys,
+        "seed": cfg.seed,
+        "sha256": digests,
+    }
+    write_atomic(
+        folder / "manifest.json", lambda tmp: tmp.write_text(json.dumps(manifest, indent=2))
+    )
     return folder
 
 
@@ -150,8 +168,10 @@ def read_manifest(folder: Path) -> dict:
     """A round folder's manifest, its tensor files checked against their digests."""
     path = folder / "manifest.json"
     if not path.is_file():
-        raise RoundFolderError(f"round folder {str(folder)!r}: no manifest.json (not a round "
-                               "folder, or its export did not finish)")  # fmt: skip
+        raise RoundFolderError(
+            f"round folder {str(folder)!r}: no manifest.json (not a round "
+            "folder, or its export did not finish)"
+        )
     manifest = read_json(path)
     if manifest.get("format") != ROUND_FORMAT:
         raise RoundFolderError(f"{str(path)!r}: not a fedattr round manifest ({ROUND_FORMAT})")
@@ -161,8 +181,10 @@ def read_manifest(folder: Path) -> dict:
     for name in TENSOR_FILES:
         file = folder / name
         if hashlib.sha256(file.read_bytes()).hexdigest() != manifest["sha256"][name]:
-            raise RoundFolderError(f"round folder {str(folder)!r}: {name} does not match its "
-                                   "manifest digest (altered or truncated)")  # fmt: skip
+            raise RoundFolderError(
+                f"round folder {str(folder)!r}: {name} does not match its "
+                "manifest digest (altered or truncated)"
+            )
     return manifest
 
 
@@ -175,20 +197,20 @@ def read_round_tensors(folder: Path, manifest: Mapping) -> tuple[dict, list[dict
     updates = []
     for target in manifest["targets"]:
         prefix = f"{target}/"
-        updates.append({k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
+        updates.append({k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)})
     return reference, updates, load_file(str(folder / "center.safetensors"))
 
 
-def write_scores(folder: Path, scores: Mapping[str, Any], changes: Mapping[str, torch.Tensor]
-                 ) -> Path:  # fmt: skip
+def write_scores(
+    folder: Path, scores: Mapping[str, Any], changes: Mapping[str, torch.Tensor]
+) -> Path:
     """An owner's ``changes-<fp>.safetensors`` then ``scores-<fp>.json`` (``scores`` without
     its ``format``, which is added here); returns the scores file."""
     from safetensors.torch import save_file
 
     fp = scores["fingerprint"]
     tensors = {k: v.contiguous() for k, v in changes.items()}
-    write_atomic(folder / f"changes-{fp}.safetensors",
-                 lambda tmp: save_file(tensors, str(tmp)))  # fmt: skip
+    write_atomic(folder / f"changes-{fp}.safetensors", lambda tmp: save_file(tensors, str(tmp)))
     path = folder / f"scores-{fp}.json"
     out = {"format": SCORES_FORMAT, **scores}
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(out)))
@@ -199,14 +221,18 @@ def read_scores(folder: Path, round_id: int) -> dict[str, dict]:
     """Every owner's scores of one round folder: owner name -> scores."""
     files = sorted(folder.glob("scores-*.json"))
     if not files:
-        raise UserError(f"round folder {str(folder)!r} holds no scores-*.json: the owners "
-                        "score it first (fedattr owner score --key KEY ROUND_DIR)")  # fmt: skip
+        raise UserError(
+            f"round folder {str(folder)!r} holds no scores-*.json: the owners "
+            "score it first (fedattr owner score --key KEY ROUND_DIR)"
+        )
     out = {}
     for f in files:
         data = read_json(f)
         if data.get("format") != SCORES_FORMAT:
-            raise UserError(f"{str(f)!r} was written by an earlier fedattr (format "
-                            f"{data.get('format')!r}); score the round again")  # fmt: skip
+            raise UserError(
+                f"{str(f)!r} was written by an earlier fedattr (format "
+                f"{data.get('format')!r}); score the round again"
+            )
         if data.get("round") != round_id:
             raise UserError(f"{str(f)!r} scores round {data.get('round')}, not {round_id}")
         out[data["owner"]] = data
@@ -219,6 +245,8 @@ def read_changes(folder: Path, scores: Mapping) -> dict[str, torch.Tensor]:
 
     path = folder / f"changes-{scores['fingerprint']}.safetensors"
     if not path.is_file():
-        raise UserError(f"round folder {str(folder)!r}: {path.name} is missing (it is written "
-                        "with the owner's scores); score the round again")  # fmt: skip
+        raise UserError(
+            f"round folder {str(folder)!r}: {path.name} is missing (it is written "
+            "with the owner's scores); score the round again"
+        )
     return load_file(str(path))

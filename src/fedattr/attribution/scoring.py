@@ -152,8 +152,9 @@ class KeyStatisticScorer(Protocol):
     """A scorer that reads a change with the owner's key and with ``n`` references (random
     keys, decoys): FLForensics' reference features."""
 
-    def key_statistics(self, reference: Any, candidate: Any, n: int, seed: int
-                       ) -> Mapping[str, tuple[float, np.ndarray]]:  # fmt: skip
+    def key_statistics(
+        self, reference: Any, candidate: Any, n: int, seed: int
+    ) -> Mapping[str, tuple[float, np.ndarray]]:
         """Owner -> (the owner's statistic, the ``n`` references' statistics)."""
         ...
 
@@ -171,8 +172,11 @@ class CalibratedContrast(Protocol):
 def scorer_null(scorer: Any) -> str:
     """``empirical`` when the scorer's statistic has no null scale of its own, else
     ``theoretical``."""
-    return "empirical" if isinstance(scorer, DeclaresNull) and scorer.null == "empirical" \
+    return (
+        "empirical"
+        if isinstance(scorer, DeclaresNull) and scorer.null == "empirical"
         else "theoretical"
+    )
 
 
 def observe_all(scorer: Any, params: Iterable[Any]) -> Iterable[Any]:

@@ -63,9 +63,15 @@ class Statistic(ABC):
 
     @abstractmethod
     def score_round(
-        self, estimates: RoundEstimates, updates: list, reference: Any, scorer: Any,
-        apply: ApplyUpdate, center: Any, on_target: OnTarget | None,
-    ) -> RoundRecord:  # fmt: skip
+        self,
+        estimates: RoundEstimates,
+        updates: list,
+        reference: Any,
+        scorer: Any,
+        apply: ApplyUpdate,
+        center: Any,
+        on_target: OnTarget | None,
+    ) -> RoundRecord:
         """One round: every estimate scored, each target kept and recorded."""
 
     def report(
@@ -101,21 +107,36 @@ class Statistic(ABC):
         self.scores = state["scores"]
 
     def _keep(
-        self, record: RoundRecord, est: Estimate, z: dict[str, float], seconds: float,
-        on_target: OnTarget | None, contexts: float | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        record: RoundRecord,
+        est: Estimate,
+        z: dict[str, float],
+        seconds: float,
+        on_target: OnTarget | None,
+        contexts: float | None = None,
+    ) -> None:
         """Keep one target's values (for Stouffer and display) and its record."""
         for stat, value in z.items():
             self.scores.setdefault(stat, {}).setdefault(est.target, {})[record.round] = value
         design = est.design
         fused = est.fused
         target = TargetRecord(
-            round=record.round, target=est.target, z=z, c=design.stats.c,
-            m_eff=design.stats.m_eff, threshold=design.stats.threshold, redraws=design.redraws,
-            queries=1 if fused else design.queries, U=[list(u) for u in design.U],
-            V=[list(v) for v in design.V], sa_seconds=est.sa_seconds, score_seconds=seconds,
-            fused=fused, attempts=est.attempts, effective_contexts=contexts,
-        )  # fmt: skip
+            round=record.round,
+            target=est.target,
+            z=z,
+            c=design.stats.c,
+            m_eff=design.stats.m_eff,
+            threshold=design.stats.threshold,
+            redraws=design.redraws,
+            queries=1 if fused else design.queries,
+            U=[list(u) for u in design.U],
+            V=[list(v) for v in design.V],
+            sa_seconds=est.sa_seconds,
+            score_seconds=seconds,
+            fused=fused,
+            attempts=est.attempts,
+            effective_contexts=contexts,
+        )
         record.targets.append(target)
         if on_target is not None:
             on_target(target)
@@ -132,9 +153,15 @@ class PaperStatistic(Statistic):
         return self.scorer_null if self.config.null == "auto" else self.config.null
 
     def score_round(
-        self, estimates: RoundEstimates, updates: list, reference: Any, scorer: Any,
-        apply: ApplyUpdate, center: Any, on_target: OnTarget | None,
-    ) -> RoundRecord:  # fmt: skip
+        self,
+        estimates: RoundEstimates,
+        updates: list,
+        reference: Any,
+        scorer: Any,
+        apply: ApplyUpdate,
+        center: Any,
+        on_target: OnTarget | None,
+    ) -> RoundRecord:
         if self.config.center:
             if center is None:
                 raise ValueError("attribution.center: needs the round's SA mean (center=...)")
@@ -172,8 +199,9 @@ class CalibratedStatistic(Statistic):
     def __init__(self, config: AttributionConfig) -> None:
         super().__init__(config)
         c = config
-        self.calibrated = CalibratedNull(c.alpha, c.decorrelate, c.null_keys, c.seed,
-                                         c.name_uncalibrated, c.token_centring)  # fmt: skip
+        self.calibrated = CalibratedNull(
+            c.alpha, c.decorrelate, c.null_keys, c.seed, c.name_uncalibrated, c.token_centring
+        )
         """The sums and the verdicts."""
 
     @property
@@ -182,9 +210,15 @@ class CalibratedStatistic(Statistic):
         return "key-randomised"
 
     def score_round(
-        self, estimates: RoundEstimates, updates: list, reference: Any, scorer: Any,
-        apply: ApplyUpdate, center: Any, on_target: OnTarget | None,
-    ) -> RoundRecord:  # fmt: skip
+        self,
+        estimates: RoundEstimates,
+        updates: list,
+        reference: Any,
+        scorer: Any,
+        apply: ApplyUpdate,
+        center: Any,
+        on_target: OnTarget | None,
+    ) -> RoundRecord:
         """Every estimate's key-linear change, then :class:`CalibratedNull`."""
         if not isinstance(scorer, LinearKeyScorer):
             raise UserError(
@@ -216,11 +250,14 @@ class CalibratedStatistic(Statistic):
         )
         each = (time.perf_counter() - t0) / max(1, len(targets))
         record = RoundRecord(
-            estimates.round, list(estimates.participants), {},
-            skipped=list(estimates.skipped), dropouts=list(estimates.dropouts),
+            estimates.round,
+            list(estimates.participants),
+            {},
+            skipped=list(estimates.skipped),
+            dropouts=list(estimates.dropouts),
             decorrelated=self.calibrated.decorrelated.get(estimates.round),
             models_scored=1 + len(changes) + (middle is not None),
-        )  # fmt: skip
+        )
         for k, est in enumerate(estimates.estimates):
             contexts = spread[k] if spread else None
             self._keep(record, est, display[est.target], each, on_target, contexts)

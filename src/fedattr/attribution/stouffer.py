@@ -124,8 +124,16 @@ class AttributionReport:
             "flagged": self.flagged,
             "clients": [c.to_dict() for c in self.clients],
             "by_statistic": {
-                name: {str(c.id): {"Z": c.Z, "p": c.p, "log10_p": c.log10_p, "tail": c.tail,
-                                   "flagged": c.flagged} for c in r.clients}
+                name: {
+                    str(c.id): {
+                        "Z": c.Z,
+                        "p": c.p,
+                        "log10_p": c.log10_p,
+                        "tail": c.tail,
+                        "flagged": c.flagged,
+                    }
+                    for c in r.clients
+                }
                 for name, r in self.components.items()
             },
         }

@@ -55,9 +55,7 @@ def _inertia(x: np.ndarray, k: int, seed: int) -> float:
     return float(KMeans(n_clusters=k, n_init=10, random_state=seed).fit(x).inertia_)
 
 
-def gap_statistic(
-    values: np.ndarray, k_max: int = 7, refs: int = 10, seed: int = 0
-) -> int:
+def gap_statistic(values: np.ndarray, k_max: int = 7, refs: int = 10, seed: int = 0) -> int:
     """Number of clusters by the original's gap statistic (see the module docstring); 1 when
     the scores do not vary. Where the original's rule finds no k it fails; here: ``k_max``."""
     x = np.asarray(values, dtype=np.float64).reshape(len(values), -1)

@@ -71,10 +71,21 @@ def _named(x: np.ndarray, min_cluster_size: int, min_samples: int) -> np.ndarray
     from sklearn.cluster import HDBSCAN
 
     n = len(x)
-    labels = HDBSCAN(min_cluster_size=min(min_cluster_size, n), min_samples=min_samples,
-                     metric="euclidean", copy=True).fit(x).labels_  # fmt: skip
-    candidates = [lab for lab in sorted(set(labels.tolist()))
-                  if x[labels == lab, 0].mean() > 0 and (labels == lab).sum() < n / 2]  # fmt: skip
+    labels = (
+        HDBSCAN(
+            min_cluster_size=min(min_cluster_size, n),
+            min_samples=min_samples,
+            metric="euclidean",
+            copy=True,
+        )
+        .fit(x)
+        .labels_
+    )
+    candidates = [
+        lab
+        for lab in sorted(set(labels.tolist()))
+        if x[labels == lab, 0].mean() > 0 and (labels == lab).sum() < n / 2
+    ]
     named = np.zeros(n, dtype=bool)
     if len(candidates) == 1:
         named[labels == candidates[0]] = True

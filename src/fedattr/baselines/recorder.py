@@ -97,8 +97,9 @@ class BaselineRecorder:
         self.influence: dict[int, np.ndarray] = {}
         fd = fldetector or FLDetectorConfig()
         self.fldetector = FLDetector(fd.window, fd.warmup, fd.k_max, fd.references, seed=seed)
-        self.fldetector_adapted = FLDetector(fd.adapted_window, 0, fd.k_max, fd.references,
-                                             seed=seed)  # fmt: skip
+        self.fldetector_adapted = FLDetector(
+            fd.adapted_window, 0, fd.k_max, fd.references, seed=seed
+        )
         self.forensics_config = flforensics or FLForensicsConfig()
         self.forensics: dict[str, dict[int, np.ndarray]] = {}
         """Owner -> client -> [target influence, influence on each reference], summed."""
@@ -196,10 +197,15 @@ class BaselineRecorder:
         if self.global_z:
             best = max(self.global_z.values())
             p = min(1.0, len(self.global_z) * upper_tail(best)[0])
-            out.append(BaselineResult(
-                "Global model", True, None, p=p,
-                detail={"z": self.global_z, "detected": best > self.gamma},
-            ))  # fmt: skip
+            out.append(
+                BaselineResult(
+                    "Global model",
+                    True,
+                    None,
+                    p=p,
+                    detail={"z": self.global_z, "detected": best > self.gamma},
+                )
+            )
         if self.direct:
             # The same null as FedAttr's, so that both read their scores alike.
             norm = empirical_null if self.null == "empirical" else dict
@@ -209,42 +215,81 @@ class BaselineRecorder:
             ]
             rep = reports[0] if len(reports) == 1 else combine_reports(reports)
             ps = [c.p for c in rep.clients if c.watermarked]
-            out.append(BaselineResult(
-                "Direct (oracle)", False, rep.flagged, rep.tpr, rep.fpr,
-                statistics.median(ps) if ps else None,
-                detail={
-                    "Z": {str(c.id): c.Z for c in rep.clients},
-                    "z": {n: {str(c): {str(t): v for t, v in r.items()} for c, r in per.items()}
-                          for n, per in self.direct.items()},
-                },
-            ))  # fmt: skip
-        for name, detector in (("FLDetector", self.fldetector),
-                               ("FLDetector (adapted)", self.fldetector_adapted)):  # fmt: skip
+            out.append(
+                BaselineResult(
+                    "Direct (oracle)",
+                    False,
+                    rep.flagged,
+                    rep.tpr,
+                    rep.fpr,
+                    statistics.median(ps) if ps else None,
+                    detail={
+                        "Z": {str(c.id): c.Z for c in rep.clients},
+                        "z": {
+                            n: {str(c): {str(t): v for t, v in r.items()} for c, r in per.items()}
+                            for n, per in self.direct.items()
+                        },
+                    },
+                )
+            )
+        for name, detector in (
+            ("FLDetector", self.fldetector),
+            ("FLDetector (adapted)", self.fldetector_adapted),
+        ):
             flagged, scores, k, why = detector.result()
             tpr, fpr = (None, None) if why else _rates(flagged, truth)
-            out.append(BaselineResult(
-                name, False, None if why else flagged, tpr, fpr,
-                detail={"suspicious": {str(c): v for c, v in scores.items()}, "gap_k": k,
-                        "no_prediction": why, "warmup": detector.warmup,
-                        "window": detector.window},
-            ))  # fmt: skip
+            out.append(
+                BaselineResult(
+                    name,
+                    False,
+                    None if why else flagged,
+                    tpr,
+                    fpr,
+                    detail={
+                        "suspicious": {str(c): v for c, v in scores.items()},
+                        "gap_k": k,
+                        "no_prediction": why,
+                        "warmup": detector.warmup,
+                        "window": detector.window,
+                    },
+                )
+            )
         if self.forensics:
             cfg, flagged = self.forensics_config, set()
             for per in self.forensics.values():
-                flagged |= set(trace({c: float(v[0]) for c, v in per.items()},
-                                     {c: v[1:] for c, v in per.items()},
-                                     cfg.min_cluster_size, cfg.min_samples))  # fmt: skip
+                flagged |= set(
+                    trace(
+                        {c: float(v[0]) for c, v in per.items()},
+                        {c: v[1:] for c, v in per.items()},
+                        cfg.min_cluster_size,
+                        cfg.min_samples,
+                    )
+                )
             named = sorted(flagged)
-            out.append(BaselineResult(
-                "FLForensics", False, named, *_rates(named, truth),
-                detail={"features": {o: {str(c): v.tolist() for c, v in per.items()}
-                                     for o, per in self.forensics.items()}},
-            ))  # fmt: skip
+            out.append(
+                BaselineResult(
+                    "FLForensics",
+                    False,
+                    named,
+                    *_rates(named, truth),
+                    detail={
+                        "features": {
+                            o: {str(c): v.tolist() for c, v in per.items()}
+                            for o, per in self.forensics.items()
+                        }
+                    },
+                )
+            )
         if self.influence:
             flagged, k = cluster_kmeans(self.influence, seed=self.seed)
             totals = {str(c): float(np.sum(v)) for c, v in sorted(self.influence.items())}
-            out.append(BaselineResult(
-                "FLForensics (k-means)", False, flagged, *_rates(flagged, truth),
-                detail={"k": k, "total_influence": totals},
-            ))  # fmt: skip
+            out.append(
+                BaselineResult(
+                    "FLForensics (k-means)",
+                    False,
+                    flagged,
+                    *_rates(flagged, truth),
+                    detail={"k": k, "total_influence": totals},
+                )
+            )
         return out

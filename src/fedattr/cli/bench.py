@@ -74,8 +74,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     bs.add_argument("--ring-bits", dest="ring_bits", type=int, default=64, choices=(32, 64))
     bs.add_argument("--frac-bits", dest="frac_bits", type=int, default=32)
     bs.add_argument("--clip", type=float, default=1024.0, help="fixed-point clip bound")
-    bs.add_argument("--prg", default="auto", choices=("auto", "aes-ctr", "chacha20"),
-                    help="mask generator on the CPU (auto: aes-ctr; other devices: chacha20)")
+    bs.add_argument(
+        "--prg",
+        default="auto",
+        choices=("auto", "aes-ctr", "chacha20"),
+        help="mask generator on the CPU (auto: aes-ctr; other devices: chacha20)",
+    )
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(func=_cmd_bench_secagg)
     bp = bench_sub.add_parser(
@@ -95,9 +99,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "forward pass, FedIT and FLoRA candidates",
     )
     bsc.add_argument("--preset", default="tiny", help=PRESET_HELP)
-    bsc.add_argument("--candidates", type=int, default=12,
-                     help="models read together (default 12: a round's reference, K=10 "
-                     "estimates and SA mean)")  # fmt: skip
+    bsc.add_argument(
+        "--candidates",
+        type=int,
+        default=12,
+        help="models read together (default 12: a round's reference, K=10 estimates and SA mean)",
+    )
     bsc.add_argument("--repeats", type=int, default=2)
     config_options(bsc, "a .json or .toml run configuration")
     bsc.add_argument("--out", help="folder for scoring.md and scoring.json")

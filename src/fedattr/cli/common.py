@@ -24,8 +24,9 @@ def config_options(
 ) -> None:
     """``--config FILE`` and the repeatable ``--set KEY=VALUE`` of every configured command."""
     parser.add_argument("--config", help=config_help)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help=f"{set_help} (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help=f"{set_help} (repeatable)"
+    )
 
 
 def say(message: str) -> None:
@@ -33,9 +34,7 @@ def say(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def load_run_config(
-    args: argparse.Namespace, preset: str, extra: Sequence[str] = ()
-) -> RunConfig:
+def load_run_config(args: argparse.Namespace, preset: str, extra: Sequence[str] = ()) -> RunConfig:
     """A run's configuration: the preset's overrides, then ``--config``, then ``--set``, then
     ``extra`` (the command's own overrides)."""
     from ..config import load

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from ..errors import UserError
+from ..errors import UserError, require_extra
 from .common import PRESET_HELP, config_options, say
 
 
@@ -33,8 +33,10 @@ def _experiment(run: Callable[[Callable[[str], None]], object], out: str, summar
     try:
         run(say)
     except KeyboardInterrupt:
-        print("fedattr: interrupted; finished runs are kept: re-run the same command to "
-              "continue", file=sys.stderr)  # fmt: skip
+        print(
+            "fedattr: interrupted; finished runs are kept: re-run the same command to continue",
+            file=sys.stderr,
+        )
         return 130
     print(Path(out, summary).read_text())
     print(f"experiment folder: {out}")
@@ -42,10 +44,17 @@ def _experiment(run: Callable[[Callable[[str], None]], object], out: str, summar
 
 
 def _cmd_experiment_calibration(args: argparse.Namespace) -> int:
+    require_extra("matplotlib", "plots", "fedattr experiment calibration (its figures)")
     from ..experiments.calibration import CalibrationSpec, run_calibration
 
-    spec = CalibrationSpec(args.bed, _parse_seeds(args.seeds), _parse_seeds(args.r, "--r"),
-                           args.config, args.set, args.jobs)  # fmt: skip
+    spec = CalibrationSpec(
+        args.bed,
+        _parse_seeds(args.seeds),
+        _parse_seeds(args.r, "--r"),
+        args.config,
+        args.set,
+        args.jobs,
+    )
     out = args.out or f"runs/calibration-{args.bed}"
     return _experiment(lambda say: run_calibration(spec, out, say), out, "calibration.md")
 
@@ -64,6 +73,7 @@ def _cmd_experiment_tail_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_experiment_sweep(args: argparse.Namespace) -> int:
+    require_extra("matplotlib", "plots", "fedattr experiment sweep (its figures)")
     from ..experiments.sweep import SweepSpec, parse_grid, run_sweep
 
     grid = parse_grid(args.grid)
@@ -73,6 +83,7 @@ def _cmd_experiment_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_experiment_table(args: argparse.Namespace) -> int:
+    require_extra("matplotlib", "plots", "fedattr experiment table (its figures)")
     from ..experiments.sweep import run_sweep
     from ..experiments.tables import table_spec
 
@@ -90,6 +101,7 @@ def _cmd_experiment_main(args: argparse.Namespace) -> int:
 
 
 def _cmd_experiment_mechanism(args: argparse.Namespace) -> int:
+    require_extra("matplotlib", "plots", "fedattr experiment mechanism (its figures)")
     from pathlib import Path
 
     from ..experiments.main import MainSpec, run_or_reuse
@@ -139,14 +151,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--seeds", default="0-199", help="seeds: 1,2,3 or 0-199 (default 0-199)")
     cal.add_argument("--r", default="0,3", help="watermarked clients per run (default 0,3)")
     cal.add_argument("--out", help="experiment folder (default runs/calibration-<bed>)")
-    cal.add_argument("--jobs", type=int, default=1,
-                     help="runs in parallel processes, one thread each (default 1)")  # fmt: skip
+    cal.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs in parallel processes, one thread each (default 1)",
+    )
     cal.set_defaults(func=_cmd_experiment_calibration)
     tc = exp_sub.add_parser(
         "tail-check", help="the verdict's exact tail against tilted Monte Carlo on saved runs"
     )
-    tc.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                    help="run folders with changes.safetensors")  # fmt: skip
+    tc.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run folders with changes.safetensors"
+    )
     tc.add_argument("--draws", type=int, default=4000, help="random keys per point (4000)")
     tc.add_argument("--out", default="runs/tail-check", help="where tail-check.md/json go")
     tc.set_defaults(func=_cmd_experiment_tail_check)
@@ -155,17 +172,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="any configuration keys, their cross product, one table and a plot per key; "
         "attribution-only keys share one training run (resumable)",
     )
-    sw.add_argument("--grid", action="append", default=[], metavar="KEY=v1,v2,...",
-                    help="a key and its values (repeatable: the cross product is swept)")
+    sw.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=v1,v2,...",
+        help="a key and its values (repeatable: the cross product is swept)",
+    )
     sw.add_argument("--seeds", default="0", help="seeds: 1,2,3 or 0-4 (default 0)")
     sw.add_argument("--preset", default="tiny", help=PRESET_HELP)
     sw.add_argument("--out", help="experiment folder (default runs/sweep-<keys>)")
     sw.set_defaults(func=_cmd_experiment_sweep)
     tb = exp_sub.add_parser(
-        "table", help="a named table of the paper (prevalence, subset-size, queries, ratio, "
+        "table",
+        help="a named table of the paper (prevalence, subset-size, queries, ratio, "
         "lora-rank, noniid, scalability, partial, noniid-recovery, overhead) as a sweep "
         "(resumable)",
-    )  # fmt: skip
+    )
     tb.add_argument("name", metavar="NAME", help="which table")
     tb.add_argument("--seeds", default="0", help="seeds: 1,2,3 or 0-4 (default 0)")
     tb.add_argument("--preset", default="tiny", help=PRESET_HELP)
@@ -173,7 +196,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     tb.set_defaults(func=_cmd_experiment_table)
     # Last, so that --config/--set follow each command's own options in its help.
     for sp in (em, mech, cal, sw, tb):
-        config_options(sp, "a .json or .toml file applied to every run",
-                       "override a setting in every run")  # fmt: skip
+        config_options(
+            sp, "a .json or .toml file applied to every run", "override a setting in every run"
+        )
     em.set_defaults(func=_cmd_experiment_main)
     mech.set_defaults(func=_cmd_experiment_mechanism)

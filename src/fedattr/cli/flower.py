@@ -64,16 +64,23 @@ def _cmd_flower_local(args: argparse.Namespace) -> int:
         folder = RunFolder(args.out or default)
         folder.claim(to_dict(cfg))  # before any process starts: a bad --out costs nothing
     data = run_loopback(
-        command, cfg, folder, message_timeout=args.timeout, node_config=node_config, say=say,
-    )  # fmt: skip
+        command,
+        cfg,
+        folder,
+        message_timeout=args.timeout,
+        node_config=node_config,
+        say=say,
+    )
     if args.json:
         print(json.dumps(data, indent=2))
     else:
         print(folder.file("report.md").read_text())
         loop = data["runtime"]["loopback"]
-        print(f"\nFlower loopback: {data['runtime']['messages']} messages, "
-              f"{data['runtime']['sa_exchanges']} SA exchanges; federation ready in "
-              f"{loop['nodes_ready_s']:.1f} s, run {loop['run_s']:.1f} s")  # fmt: skip
+        print(
+            f"\nFlower loopback: {data['runtime']['messages']} messages, "
+            f"{data['runtime']['sa_exchanges']} SA exchanges; federation ready in "
+            f"{loop['nodes_ready_s']:.1f} s, run {loop['run_s']:.1f} s"
+        )
     print(f"run folder: {folder}", file=sys.stderr)
     return 0
 
@@ -82,8 +89,10 @@ def _cmd_flower_app(args: argparse.Namespace) -> int:
     from ..flower.launch import write_app
 
     path = write_app(args.folder)
-    print(f"wrote {path}/pyproject.toml: submit it with flwr run {path} <superlink> "
-          "--run-config \"run-folder='/abs/run/folder' config='/abs/run.toml'\"")  # fmt: skip
+    print(
+        f"wrote {path}/pyproject.toml: submit it with flwr run {path} <superlink> "
+        "--run-config \"run-folder='/abs/run/folder' config='/abs/run.toml'\""
+    )
     return 0
 
 
@@ -99,15 +108,27 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     fl.add_argument("--demo", action="store_true", help="the synthetic federation (no LLM)")
     fl.add_argument("--preset", help="tiny (default) or smollm2; LLM runs only")
-    config_options(fl, "the same .json/.toml file fedattr run (or --demo: demo-protocol) "
-                   "reads")  # fmt: skip
+    config_options(fl, "the same .json/.toml file fedattr run (or --demo: demo-protocol) reads")
     fl.add_argument("--out", help="run folder (default: runs/<time>-...-flower)")
-    fl.add_argument("--timeout", type=float, default=600.0,
-                    help="seconds a node has to answer one message (default 600)")  # fmt: skip
-    fl.add_argument("--node-config", action="append", default=[], metavar="KEY=VALUE",
-                    help="a SuperNode setting for every node, e.g. min-members=5")  # fmt: skip
-    fl.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted LLM run "
-                    "after its last finished round (its own configuration)")  # fmt: skip
+    fl.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a node has to answer one message (default 600)",
+    )
+    fl.add_argument(
+        "--node-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a SuperNode setting for every node, e.g. min-members=5",
+    )
+    fl.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue an interrupted LLM run "
+        "after its last finished round (its own configuration)",
+    )
     fl.add_argument("--json", action="store_true", help="print results.json")
     fl.set_defaults(func=_cmd_flower_local)
     fa = flower_sub.add_parser("app", help="write the Flower app project for flwr run")

@@ -70,8 +70,9 @@ def _cmd_owner_watermark(args: argparse.Namespace) -> int:
 
     key = load_key(args.key)
     # The numbers and --out before a model is loaded or a progress file written.
-    check_job(args.out, chunk=args.chunk, max_new_tokens=args.max_new_tokens,
-              min_tokens=args.min_tokens)  # fmt: skip
+    check_job(
+        args.out, chunk=args.chunk, max_new_tokens=args.max_new_tokens, min_tokens=args.min_tokens
+    )
     if key.kind == "fk":
         if args.input is not None:
             raise UserError("--in: a Fictitious-Knowledge key writes new documents; use --count")
@@ -80,17 +81,32 @@ def _cmd_owner_watermark(args: argparse.Namespace) -> int:
         model = tokenizer = None
         if args.writer == "teacher":
             model, tokenizer = load_model(_model_config(args.model, args.cache_dir), say)
-        report = fk_documents(key, args.count, args.out, writer=args.writer, model=model,
-                              tokenizer=tokenizer, max_new_tokens=args.max_new_tokens)  # fmt: skip
+        report = fk_documents(
+            key,
+            args.count,
+            args.out,
+            writer=args.writer,
+            model=model,
+            tokenizer=tokenizer,
+            max_new_tokens=args.max_new_tokens,
+        )
     else:
         if args.input is None:
             raise UserError("--in: the corpus to watermark (.jsonl or .json, Alpaca or chat rows)")
         rows = read_rows(args.input)
         model, tokenizer = load_model(_model_config(args.model, args.cache_dir), say)
         report = watermark_kgw(
-            key, rows, model, tokenizer, args.out, model_name=args.model, chunk=args.chunk,
-            max_new_tokens=args.max_new_tokens, min_tokens=args.min_tokens, say=say,
-        )  # fmt: skip
+            key,
+            rows,
+            model,
+            tokenizer,
+            args.out,
+            model_name=args.model,
+            chunk=args.chunk,
+            max_new_tokens=args.max_new_tokens,
+            min_tokens=args.min_tokens,
+            say=say,
+        )
     print(json.dumps(report, indent=2))
     return 0
 
@@ -102,22 +118,27 @@ def _cmd_owner_detect(args: argparse.Namespace) -> int:
 
     key = load_key(args.key, "kgw")
     if args.lora and args.reference:
-        raise UserError("--lora/--reference: give one (the reference is the model without "
-                        "its adapter, or another model)")  # fmt: skip
+        raise UserError(
+            "--lora/--reference: give one (the reference is the model without "
+            "its adapter, or another model)"
+        )
     detectors = ["reading", "greedy"] if args.detector == "both" else [args.detector]
     # Everything checkable before a model is loaded (seconds to minutes).
     if "reading" in detectors and not (args.lora or args.reference):
-        raise UserError("--reference: the reading test needs the model the candidate was "
-                        "fine-tuned from (--lora ADAPTER, or --reference MODEL); or use "
-                        "--detector greedy")  # fmt: skip
+        raise UserError(
+            "--reference: the reading test needs the model the candidate was "
+            "fine-tuned from (--lora ADAPTER, or --reference MODEL); or use "
+            "--detector greedy"
+        )
     if args.count < 1:
         raise UserError(f"--count: texts used, must be >= 1, got {args.count}")
     if "reading" in detectors and args.null_keys < 20:
         raise UserError(f"--null-keys: must be >= 20, got {args.null_keys}")
     texts = _owner_texts(args.texts, args.count)
     config = _model_config(args.model, args.cache_dir)
-    reference_config = (_model_config(args.reference, args.cache_dir, "--reference")
-                        if args.reference else None)  # fmt: skip
+    reference_config = (
+        _model_config(args.reference, args.cache_dir, "--reference") if args.reference else None
+    )
     model, tokenizer = load_model(config, say)
     reference = None
     if args.lora:
@@ -126,14 +147,23 @@ def _cmd_owner_detect(args: argparse.Namespace) -> int:
         try:
             model = PeftModel.from_pretrained(model, args.lora)
         except Exception as exc:  # a missing or foreign adapter folder: one line
-            raise UserError(f"--lora: could not load an adapter from {args.lora!r}: "
-                            f"{str(exc).strip().splitlines()[0]}") from exc  # fmt: skip
+            raise UserError(
+                f"--lora: could not load an adapter from {args.lora!r}: "
+                f"{str(exc).strip().splitlines()[0]}"
+            ) from exc
         model.eval()
     elif reference_config is not None:
         reference, _ = load_model(reference_config, say)
-    out = detect_kgw(key, model, tokenizer, texts,
-                     reference=reference, lora=bool(args.lora), detectors=detectors,
-                     null_keys=args.null_keys)  # fmt: skip
+    out = detect_kgw(
+        key,
+        model,
+        tokenizer,
+        texts,
+        reference=reference,
+        lora=bool(args.lora),
+        detectors=detectors,
+        null_keys=args.null_keys,
+    )
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -141,13 +171,17 @@ def _cmd_owner_detect(args: argparse.Namespace) -> int:
     if "reading" in out:
         r = out["reading"]
         p = f"{r['p']:.3g}" if r["p"] > 0 else f"1e{r['log10_p']:.0f}"
-        print(f"reading: statistic {r['statistic']:+.4g} (null sd {r['null_sd']:.3g}), z = "
-              f"{r['z']:+.2f}: p = {p} ({r['tail']} tail; rank p among {r['null_keys']} "
-              f"random keys = {r['p_rank']:.3g})")  # fmt: skip
+        print(
+            f"reading: statistic {r['statistic']:+.4g} (null sd {r['null_sd']:.3g}), z = "
+            f"{r['z']:+.2f}: p = {p} ({r['tail']} tail; rank p among {r['null_keys']} "
+            f"random keys = {r['p_rank']:.3g})"
+        )
     if "greedy" in out:
         g = out["greedy"]
-        print(f"greedy: {g['green']} green of {g['scored']} scored pairs: z = {g['z']:+.2f}, "
-              f"p = {g['p']:.3g}")  # fmt: skip
+        print(
+            f"greedy: {g['green']} green of {g['scored']} scored pairs: z = {g['z']:+.2f}, "
+            f"p = {g['p']:.3g}"
+        )
     return 0
 
 
@@ -177,12 +211,20 @@ def _cmd_owner_check(args: argparse.Namespace) -> int:
     try:
         tokenizer = load_tokenizer(_model_config(spec, args.cache_dir), say)
     except ModelLoadError as exc:
-        raise UserError(f"--model {spec!r}: the key's tokenizer is not available ({exc}); give "
-                        "the --model the corpus was watermarked with (tiny, smollm2, a HF id or "
-                        "a local path)") from exc  # fmt: skip
-    report = check_documents(key, tokenizer, docs, dedupe=not args.no_dedupe,
-                             tokenizer_name=spec + origin, source=args.input,
-                             field=args.field)  # fmt: skip
+        raise UserError(
+            f"--model {spec!r}: the key's tokenizer is not available ({exc}); give "
+            "the --model the corpus was watermarked with (tiny, smollm2, a HF id or "
+            "a local path)"
+        ) from exc
+    report = check_documents(
+        key,
+        tokenizer,
+        docs,
+        dedupe=not args.no_dedupe,
+        tokenizer_name=spec + origin,
+        source=args.input,
+        field=args.field,
+    )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -210,13 +252,24 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     owner_sub = owner.add_subparsers(dest="owner", required=True)
     kg = owner_sub.add_parser("keygen", help="write a new secret key file (mode 0600)")
     kg.add_argument("--out", required=True, help="the key file to create (never overwritten)")
-    kg.add_argument("--kind", choices=("kgw", "fk"), default="kgw",
-                    help="kgw (green-list watermark, default) or fk (Fictitious Knowledge)")
-    kg.add_argument("--scheme", choices=("fedattr", "lm-watermarking", "markllm"),
-                    default="fedattr", help="KGW seeding: fedattr (256-bit keyed PRF), or a "
-                    "reference code's (lm-watermarking simple_1, MarkLLM KGW)")  # fmt: skip
-    kg.add_argument("--hash-key", type=int, help="reference schemes: the corpus's hash key "
-                    "(default 15485863, the references' default)")  # fmt: skip
+    kg.add_argument(
+        "--kind",
+        choices=("kgw", "fk"),
+        default="kgw",
+        help="kgw (green-list watermark, default) or fk (Fictitious Knowledge)",
+    )
+    kg.add_argument(
+        "--scheme",
+        choices=("fedattr", "lm-watermarking", "markllm"),
+        default="fedattr",
+        help="KGW seeding: fedattr (256-bit keyed PRF), or a "
+        "reference code's (lm-watermarking simple_1, MarkLLM KGW)",
+    )
+    kg.add_argument(
+        "--hash-key",
+        type=int,
+        help="reference schemes: the corpus's hash key (default 15485863, the references' default)",
+    )
     kg.add_argument("--gamma", type=float, default=0.25, help="KGW green fraction")
     kg.add_argument("--delta", type=float, default=3.0, help="KGW logit bias")
     kg.add_argument("--domain", type=int, help="FK: the entity's domain index (default random)")
@@ -228,62 +281,100 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ow.add_argument("--model", default="tiny", help="tiny, smollm2, or a HF id or local path")
     ow.add_argument("--cache-dir", default="", help="tiny preset's cache folder")
     ow.add_argument("--chunk", type=int, default=64, help="documents per batch and checkpoint")
-    ow.add_argument("--max-new-tokens", type=int, default=256,
-                    help="longest rewritten response, in tokens (default 256)")  # fmt: skip
-    ow.add_argument("--min-tokens", type=int, default=8,
-                    help="drop rewritten responses shorter than this")  # fmt: skip
+    ow.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="longest rewritten response, in tokens (default 256)",
+    )
+    ow.add_argument(
+        "--min-tokens", type=int, default=8, help="drop rewritten responses shorter than this"
+    )
     ow.add_argument("--count", type=int, default=100, help="FK: documents to write")
-    ow.add_argument("--writer", choices=("template", "teacher"), default="template",
-                    help="FK: templates, or the model writes each document")  # fmt: skip
+    ow.add_argument(
+        "--writer",
+        choices=("template", "teacher"),
+        default="template",
+        help="FK: templates, or the model writes each document",
+    )
     ow.set_defaults(func=_cmd_owner_watermark)
     oc = owner_sub.add_parser(
-        "check", help="is this text watermarked under my key? green count, z and exact p per "
+        "check",
+        help="is this text watermarked under my key? green count, z and exact p per "
         "document and for the whole input (KGW)",
         description="Test texts for the key: per document and for the whole input, the green "
         "count of the distinct (previous token, token) pairs, z, and the exact binomial p "
         "(log10_p stays finite for tiny p). Fixed-size green lists make the binomial slightly "
         "conservative in the tail: log10_p_fixed_lists is the exact tail under them "
         "(hypergeometric per context). See README, 'For corpus owners'.",
-    )  # fmt: skip
+    )
     oc.add_argument("--key", required=True, help="the owner's KGW key file (any --scheme)")
-    oc.add_argument("--in", dest="input", required=True, metavar="TEXTS",
-                    help="a .txt file (one document), .jsonl/.json rows (Alpaca or chat: one "
-                    "document per row), or - for standard input")  # fmt: skip
-    oc.add_argument("--field", help="Alpaca rows: the field scored (default output); chat "
-                    "rows: the role whose turns are scored (default assistant)")  # fmt: skip
-    oc.add_argument("--model", help="whose tokenizer: the --model the corpus was watermarked "
-                    "with (tiny, smollm2, a HF id or local path; default: the one recorded in "
-                    "TEXTS.report.json by owner watermark, else tiny)")  # fmt: skip
+    oc.add_argument(
+        "--in",
+        dest="input",
+        required=True,
+        metavar="TEXTS",
+        help="a .txt file (one document), .jsonl/.json rows (Alpaca or chat: one "
+        "document per row), or - for standard input",
+    )
+    oc.add_argument(
+        "--field",
+        help="Alpaca rows: the field scored (default output); chat "
+        "rows: the role whose turns are scored (default assistant)",
+    )
+    oc.add_argument(
+        "--model",
+        help="whose tokenizer: the --model the corpus was watermarked "
+        "with (tiny, smollm2, a HF id or local path; default: the one recorded in "
+        "TEXTS.report.json by owner watermark, else tiny)",
+    )
     oc.add_argument("--cache-dir", default="", help="tiny preset's cache folder")
-    oc.add_argument("--no-dedupe", action="store_true",
-                    help="score every pair, repeats too, as MarkLLM's detector does (p is then "
-                    "anti-conservative on repetitive text)")  # fmt: skip
+    oc.add_argument(
+        "--no-dedupe",
+        action="store_true",
+        help="score every pair, repeats too, as MarkLLM's detector does (p is then "
+        "anti-conservative on repetitive text)",
+    )
     oc.add_argument("--json", action="store_true", help="print the report as JSON")
     oc.set_defaults(func=_cmd_owner_check)
     od = owner_sub.add_parser("detect", help="test a released model for the key (KGW)")
     od.add_argument("--key", required=True, help="the owner's KGW key file")
-    od.add_argument("--model", required=True, help="the released model to test: tiny, smollm2, "
-                    "or a HF id or local path")  # fmt: skip
+    od.add_argument(
+        "--model",
+        required=True,
+        help="the released model to test: tiny, smollm2, or a HF id or local path",
+    )
     od.add_argument("--lora", help="a peft adapter folder on --model (its reference: --model)")
-    od.add_argument("--reference", help="reading: the model the candidate was fine-tuned from "
-                    "(tiny, smollm2, a HF id or local path; same tokenizer)")  # fmt: skip
+    od.add_argument(
+        "--reference",
+        help="reading: the model the candidate was fine-tuned from "
+        "(tiny, smollm2, a HF id or local path; same tokenizer)",
+    )
     od.add_argument("--texts", help="texts to read (.jsonl/.json); default: embedded corpus")
-    od.add_argument("--count", type=int, default=128,
-                    help="texts used: the first N of --texts (default 128)")  # fmt: skip
-    od.add_argument("--detector", choices=("reading", "greedy", "both"), default="both",
-                    help="reading (needs --lora or --reference), greedy, or both "
-                    "(default)")  # fmt: skip
-    od.add_argument("--null-keys", type=int, default=1000,
-                    help="reading: random keys the key's statistic is ranked among (>= 20, "
-                    "default 1000)")  # fmt: skip
+    od.add_argument(
+        "--count", type=int, default=128, help="texts used: the first N of --texts (default 128)"
+    )
+    od.add_argument(
+        "--detector",
+        choices=("reading", "greedy", "both"),
+        default="both",
+        help="reading (needs --lora or --reference), greedy, or both (default)",
+    )
+    od.add_argument(
+        "--null-keys",
+        type=int,
+        default=1000,
+        help="reading: random keys the key's statistic is ranked among (>= 20, default 1000)",
+    )
     od.add_argument("--cache-dir", default="", help="tiny preset's cache folder")
     od.add_argument("--json", action="store_true", help="print the results as JSON")
     od.set_defaults(func=_cmd_owner_detect)
     osc = owner_sub.add_parser("score", help="score a run's released round folders with the key")
     osc.add_argument("--key", required=True, help="the owner's KGW key file")
     osc.add_argument("rounds", nargs="+", metavar="ROUND_DIR", help="<run>/rounds/round-NNN")
-    osc.add_argument("--texts", help="texts to read (.jsonl/.json); default: the run's "
-                     "held-out detection texts")  # fmt: skip
+    osc.add_argument(
+        "--texts", help="texts to read (.jsonl/.json); default: the run's held-out detection texts"
+    )
     osc.add_argument("--count", type=int, default=128, help="texts used with --texts")
     osc.set_defaults(func=_cmd_owner_score)
     att = sub.add_parser("attribute", help="combine the owners' round scores into results")

@@ -26,8 +26,9 @@ def _check_privacy(args: argparse.Namespace) -> None:
     if args.trials < 1:
         raise UserError(f"--trials: Monte Carlo draws, must be >= 1, got {args.trials}")
     if not (args.d_star > 0 and math.isfinite(args.d_star)):
-        raise UserError(f"--d-star: the effective dimension, must be a number > 0, got "
-                        f"{args.d_star:g}")  # fmt: skip
+        raise UserError(
+            f"--d-star: the effective dimension, must be a number > 0, got {args.d_star:g}"
+        )
     if not (args.C >= 0 and math.isfinite(args.C)):
         raise UserError(f"--C: must be a number >= 0, got {args.C:g}")
     K, M, trials = args.K, args.M, args.trials
@@ -41,8 +42,11 @@ def _check_privacy(args: argparse.Namespace) -> None:
     if max(draws, joint) <= limit:
         return
     k_max = min(1 + limit // (per_draw * trials * M), math.isqrt(limit // (per_mk2 * M)))
-    fits = (f"at most --K {k_max} with these --M and --trials" if k_max >= 3
-            else "lower --M or --trials")  # fmt: skip
+    fits = (
+        f"at most --K {k_max} with these --M and --trials"
+        if k_max >= 3
+        else "lower --M or --trials"
+    )
     if joint <= limit:
         fits += f", or at most --trials {limit // (per_draw * M * (K - 1))} at this K"
 

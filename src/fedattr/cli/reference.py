@@ -118,9 +118,10 @@ def _invocation(action: argparse.Action) -> str:
 
 def _arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [
-        a for a in parser._actions
+        a
+        for a in parser._actions
         if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
-    ]  # fmt: skip
+    ]
 
 
 def _usage(prog: str, parser: argparse.ArgumentParser) -> str:
@@ -215,9 +216,13 @@ def render_cli(parser: argparse.ArgumentParser | None = None) -> str:
             parts.append(_table(["argument", "help", "default"], [_argument_row(a) for a in args]))
         children = _subcommands(sub)
         if children:
-            parts.append("Subcommands: " + ", ".join(
-                f"[{_code(name)}](#{_anchor(f'{prog} {name}')})" for name, _, _ in children
-            ) + ".")  # fmt: skip
+            parts.append(
+                "Subcommands: "
+                + ", ".join(
+                    f"[{_code(name)}](#{_anchor(f'{prog} {name}')})" for name, _, _ in children
+                )
+                + "."
+            )
     return _page(parts)
 
 
@@ -277,8 +282,14 @@ def _section(
         if dataclasses.is_dataclass(hints[f.name]):
             nested.append((f"{key}.{f.name}" if key else f.name, value, docs.get(f.name)))
             continue
-        rows.append([_code(f.name), _code(_type_name(hints[f.name])), _value(value),
-                     _cell(docs.get(f.name))])  # fmt: skip
+        rows.append(
+            [
+                _code(f.name),
+                _code(_type_name(hints[f.name])),
+                _value(value),
+                _cell(docs.get(f.name)),
+            ]
+        )
     parts = [heading]
     if intro:
         # A dataclass without a docstring gets an automatic one, "Name(field: type, ...)".
@@ -306,8 +317,10 @@ def _command(obj: Any, level: int, skip: Collection[str] = ()) -> list[str]:
     parts: list[str] = []
     for key, value, doc in nested:
         if key in skip:
-            parts.append(f"{'#' * level} `[{key}]`\n\nThe same keys and defaults as `[{key}]` "
-                         "of `fedattr run` above.")  # fmt: skip
+            parts.append(
+                f"{'#' * level} `[{key}]`\n\nThe same keys and defaults as `[{key}]` "
+                "of `fedattr run` above."
+            )
         else:
             parts += _sections(value, key, doc, level)
     return parts + top
@@ -352,8 +365,14 @@ def _presets() -> list[str]:
         axes = "; ".join(
             f"{a.label}: " + " / ".join(shown for shown, _ in a.values) for a in spec.axes
         )
-        rows.append([_code(name), _cell(spec.caption), _cell(axes),
-                     ", ".join(_code(s) for s in spec.fixed) or "–"])  # fmt: skip
+        rows.append(
+            [
+                _code(name),
+                _cell(spec.caption),
+                _cell(axes),
+                ", ".join(_code(s) for s in spec.fixed) or "–",
+            ]
+        )
     parts.append(_table(["table", "what it varies", "points", "fixed"], rows))
     return parts
 
@@ -421,9 +440,11 @@ def stale(folder: Path) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Write (or with ``--check``, compare) the generated reference pages."""
-    ap = argparse.ArgumentParser(prog="python -m fedattr.cli.reference",
-                                 description="Regenerate docs/reference/cli.md and "
-                                 "docs/reference/configuration.md from the code.")  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m fedattr.cli.reference",
+        description="Regenerate docs/reference/cli.md and "
+        "docs/reference/configuration.md from the code.",
+    )
     ap.add_argument("--out", type=Path, help="folder (default: docs/reference of this checkout)")
     ap.add_argument("--check", action="store_true", help="exit 1 if a page is out of date")
     args = ap.parse_args(argv)

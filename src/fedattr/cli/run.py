@@ -28,8 +28,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         if folder is not None:
             result.write(folder)
     if folder is not None:
-        print(f"wrote {folder}/: results.json report.md attribution.png rounds.jsonl "
-              "queries.jsonl config.json", file=sys.stderr)  # fmt: skip
+        print(
+            f"wrote {folder}/: results.json report.md attribution.png rounds.jsonl "
+            "queries.jsonl config.json",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -61,18 +64,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
             result = run_experiment(cfg, folder=folder)
     except KeyboardInterrupt:
         if folder.status == "new":  # released: no round had finished
-            print("fedattr: interrupted before the first round finished; nothing was kept",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                "fedattr: interrupted before the first round finished; nothing was kept",
+                file=sys.stderr,
+            )
             return 130
-        print(f"fedattr: interrupted; finished rounds are kept: continue with "
-              f"'fedattr run --resume {folder}'", file=sys.stderr)  # fmt: skip
+        print(
+            f"fedattr: interrupted; finished rounds are kept: continue with "
+            f"'fedattr run --resume {folder}'",
+            file=sys.stderr,
+        )
         return 130
     result.write(folder)
     folder.clear_checkpoint()
     if cfg.attribution.scoring == "owner":
-        print(f"{folder}/rounds/: one folder per round for the owners; each scores them with "
-              f"'fedattr owner score --key KEY {folder}/rounds/round-*', then "
-              f"'fedattr attribute {folder}' writes the verdicts")  # fmt: skip
+        print(
+            f"{folder}/rounds/: one folder per round for the owners; each scores them with "
+            f"'fedattr owner score --key KEY {folder}/rounds/round-*', then "
+            f"'fedattr attribute {folder}' writes the verdicts"
+        )
         return 0
     print(attribution_table(result.report))
     t = result.timing
@@ -83,8 +93,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         f"total {t['total_s']:.1f} s (FedAttr overhead {100 * t['overhead']:.0f}% of training)"
     )
     for name, v in result.variants.items():
-        print(f"variant {name} ({v['differs']}): flagged {v['flagged']}, "
-              f"TPR {v['tpr']}, FPR {v['fpr']}, {v['sa_queries']} SA queries")  # fmt: skip
+        print(
+            f"variant {name} ({v['differs']}): flagged {v['flagged']}, "
+            f"TPR {v['tpr']}, FPR {v['fpr']}, {v['sa_queries']} SA queries"
+        )
     print(f"run folder: {folder}")
     return 0
 
@@ -96,8 +108,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="the protocol demo: a synthetic federation of plain vectors through SA and FedAttr "
         "(no language model; the embedded default job is 'fedattr run')",
     )
-    config_options(demo, "a .json or .toml file with [synthetic], [secagg], [attribution]",
-                   "override a setting, e.g. --set attribution.M=10")  # fmt: skip
+    config_options(
+        demo,
+        "a .json or .toml file with [synthetic], [secagg], [attribution]",
+        "override a setting, e.g. --set attribution.M=10",
+    )
     demo.add_argument("--out", help="write results.json, report.md, rounds.jsonl here")
     demo.add_argument("--json", action="store_true", help="print results as JSON")
     demo.add_argument("--quiet", action="store_true", help="no per-round progress lines")
@@ -108,8 +123,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="federated LoRA fine-tuning with watermarked clients (KGW or FK), SA and FedAttr",
     )
     run.add_argument("--preset", default="tiny", help=PRESET_HELP)
-    config_options(run, "a .json or .toml file (sections: model, lora, data, watermark, fl, "
-                   "secagg, attribution)", "override a setting, e.g. --set fl.strategy=flora")
+    config_options(
+        run,
+        "a .json or .toml file (sections: model, lora, data, watermark, fl, secagg, attribution)",
+        "override a setting, e.g. --set fl.strategy=flora",
+    )
     run.add_argument("--out", help="run folder (default: runs/<time>-<strategy>-<model>)")
     run.add_argument(
         "--resume", metavar="RUN_DIR", help="continue an interrupted run after its last round"

@@ -101,8 +101,9 @@ def bench_secagg(
         # Plaintext sums float64 NumPy vectors on the host; the masked backends run on every
         # device torch offers (the masks, shares and ring sums live there).
         for device in devices if name != "plaintext" else ["cpu"]:
-            say(f"benchmarking {name} on {device} (dim={dim}, members={members}, "
-                f"repeats={repeats})")  # fmt: skip
+            say(
+                f"benchmarking {name} on {device} (dim={dim}, members={members}, repeats={repeats})"
+            )
             cfg = SecAggConfig(
                 backend=name,
                 min_members=min(base.min_members, members),
@@ -126,22 +127,51 @@ def bench_secagg(
             ms = 1000 * statistics.median(r.seconds for r in log)
             client_ms = 1000 * statistics.median(r.client_seconds_max for r in log)
             rows.append(
-                BenchRow(name, device, dim, members, ms, client_ms, upload_ms,
-                         log[-1].bytes_moved, ms / plain[device])
-            )  # fmt: skip
+                BenchRow(
+                    name,
+                    device,
+                    dim,
+                    members,
+                    ms,
+                    client_ms,
+                    upload_ms,
+                    log[-1].bytes_moved,
+                    ms / plain[device],
+                )
+            )
     return rows
 
 
 def format_rows(rows: Sequence[BenchRow]) -> str:
     """Markdown table of benchmark rows."""
-    head = ["backend", "device", "dim", "members", "ms/query", "slowest client ms",
-            "upload ms/client", "MB moved/query", "× plain sum"]  # fmt: skip
-    return table(head, (
-        [r.backend, r.device, f"{r.dim:,}", r.members, f"{r.ms_per_query:.1f}",
-         f"{r.client_ms_max:.1f}", f"{r.upload_ms:.1f}", f"{r.bytes_per_query / 1e6:.1f}",
-         f"{r.ratio_to_plain_sum:.1f}"]
-        for r in rows
-    ))  # fmt: skip
+    head = [
+        "backend",
+        "device",
+        "dim",
+        "members",
+        "ms/query",
+        "slowest client ms",
+        "upload ms/client",
+        "MB moved/query",
+        "× plain sum",
+    ]
+    return table(
+        head,
+        (
+            [
+                r.backend,
+                r.device,
+                f"{r.dim:,}",
+                r.members,
+                f"{r.ms_per_query:.1f}",
+                f"{r.client_ms_max:.1f}",
+                f"{r.upload_ms:.1f}",
+                f"{r.bytes_per_query / 1e6:.1f}",
+                f"{r.ratio_to_plain_sum:.1f}",
+            ]
+            for r in rows
+        ),
+    )
 
 
 # Dense bf16 tensor-core peaks (FLOP/s) of the GPUs the project runs on, for MFU.
@@ -175,17 +205,30 @@ def pipeline_figures(results: dict) -> dict:
     teacher_s = t.get("teacher_s", 0.0)
     stages = {
         "load": {"seconds": t.get("load_s", 0.0)},
-        "teacher": {"seconds": teacher_s, "documents": docs,
-                    "documents_per_s": rate(docs, teacher_s)},
-        "training": {"seconds": t["train_s"], "tokens": tokens,
-                     "steps": work.get("train_steps", 0.0),
-                     "tokens_per_s": rate(tokens, t["train_s"]),
-                     "model_tflops": flops / 1e12, "mfu": flops / peak if peak else None},
-        "sa": {"seconds": t["sa_s"], "queries": queries,
-               "ms_per_query": 1000 * t["sa_s"] / queries if queries else None},
-        "scoring": {"seconds": t["scoring_s"], "models": scored,
-                    "models_per_s": rate(scored, t["scoring_s"])},
-    }  # fmt: skip
+        "teacher": {
+            "seconds": teacher_s,
+            "documents": docs,
+            "documents_per_s": rate(docs, teacher_s),
+        },
+        "training": {
+            "seconds": t["train_s"],
+            "tokens": tokens,
+            "steps": work.get("train_steps", 0.0),
+            "tokens_per_s": rate(tokens, t["train_s"]),
+            "model_tflops": flops / 1e12,
+            "mfu": flops / peak if peak else None,
+        },
+        "sa": {
+            "seconds": t["sa_s"],
+            "queries": queries,
+            "ms_per_query": 1000 * t["sa_s"] / queries if queries else None,
+        },
+        "scoring": {
+            "seconds": t["scoring_s"],
+            "models": scored,
+            "models_per_s": rate(scored, t["scoring_s"]),
+        },
+    }
     return {
         "device": model.get("device"),
         "gpu": model.get("gpu"),
@@ -208,15 +251,32 @@ def format_pipeline(fig: dict) -> str:
     mfu = f"; MFU {100 * tr['mfu']:.1f}%" if tr["mfu"] is not None else ""
     rows = [
         ["load model", f(st["load"]["seconds"]), "", ""],
-        ["teacher (watermarked documents)", f(te["seconds"]), f"{te['documents']:.0f} documents",
-         f"{f(te['documents_per_s'], '.2f')} documents/s"],
-        ["local training", f(tr["seconds"]), f"{tr['tokens']:,.0f} tokens, {tr['steps']:.0f} steps",
-         f"{f(tr['tokens_per_s'], ',.0f')} tokens/s; {tr['model_tflops']:.3f} TFLOP/s at 6N{mfu}"],
-        ["SA queries", f(sa["seconds"]), f"{sa['queries']} queries",
-         f"{f(sa['ms_per_query'])} ms/query"],
-        ["scoring", f(sc["seconds"]), f"{sc['models']:.0f} models read",
-         f"{f(sc['models_per_s'], '.2f')} models/s"],
-    ]  # fmt: skip
+        [
+            "teacher (watermarked documents)",
+            f(te["seconds"]),
+            f"{te['documents']:.0f} documents",
+            f"{f(te['documents_per_s'], '.2f')} documents/s",
+        ],
+        [
+            "local training",
+            f(tr["seconds"]),
+            f"{tr['tokens']:,.0f} tokens, {tr['steps']:.0f} steps",
+            f"{f(tr['tokens_per_s'], ',.0f')} tokens/s; "
+            f"{tr['model_tflops']:.3f} TFLOP/s at 6N{mfu}",
+        ],
+        [
+            "SA queries",
+            f(sa["seconds"]),
+            f"{sa['queries']} queries",
+            f"{f(sa['ms_per_query'])} ms/query",
+        ],
+        [
+            "scoring",
+            f(sc["seconds"]),
+            f"{sc['models']:.0f} models read",
+            f"{f(sc['models_per_s'], '.2f')} models/s",
+        ],
+    ]
     where = fig["gpu"] or "CPU"
     dtype = f", {fig['dtype']}" if fig.get("dtype") else ""
     foot = (
@@ -256,26 +316,41 @@ def bench_scoring(cfg: Any, candidates: int, repeats: int, say: Callable[[str], 
     if not can_stack(model):
         raise UserError("bench scoring: this model's LoRA layers cannot be stacked")
     device = next(model.parameters()).device
-    examples = encode_examples(tokenizer, detection_records(cfg.data, cfg.watermark),
-                               cfg.data.max_len)  # fmt: skip
-    scheme = KGWScheme(cfg.watermark.key_seed, len(tokenizer), cfg.watermark.gamma,
-                       cfg.watermark.delta)  # fmt: skip
-    scorer = KGWReadingScorer(model, examples, {"kgw": scheme}, load_state,
-                              pad_id=tokenizer.pad_token_id, stack=stacked_candidates)  # fmt: skip
+    examples = encode_examples(
+        tokenizer, detection_records(cfg.data, cfg.watermark), cfg.data.max_len
+    )
+    scheme = KGWScheme(
+        cfg.watermark.key_seed, len(tokenizer), cfg.watermark.gamma, cfg.watermark.delta
+    )
+    scorer = KGWReadingScorer(
+        model,
+        examples,
+        {"kgw": scheme},
+        load_state,
+        pad_id=tokenizer.pad_token_id,
+        stack=stacked_candidates,
+    )
     gen = torch.Generator().manual_seed(0)
 
     def noisy(state: dict, keep: Callable[[str], bool]) -> dict:
-        return {k: v if keep(k) else v + 1e-3 * torch.randn(v.shape, generator=gen).to(v)
-                for k, v in state.items()}  # fmt: skip
+        return {
+            k: v if keep(k) else v + 1e-3 * torch.randn(v.shape, generator=gen).to(v)
+            for k, v in state.items()
+        }
 
-    zero_b = {f"{n}.lora_B": torch.zeros_like(m.lora_B["default"].weight)
-              for n, m in lora_layers(model).items()}  # fmt: skip
+    zero_b = {
+        f"{n}.lora_B": torch.zeros_like(m.lora_B["default"].weight)
+        for n, m in lora_layers(model).items()
+    }
     spaces = {
-        "FedIT (LoRA factors)": [noisy(adapter_state(model), lambda k: False)
-                                 for _ in range(candidates)],
-        "FLoRA (merged weights)": [noisy({**base_state(model), **zero_b}, lambda k: "lora_B" in k)
-                                   for _ in range(candidates)],
-    }  # fmt: skip
+        "FedIT (LoRA factors)": [
+            noisy(adapter_state(model), lambda k: False) for _ in range(candidates)
+        ],
+        "FLoRA (merged weights)": [
+            noisy({**base_state(model), **zero_b}, lambda k: "lora_B" in k)
+            for _ in range(candidates)
+        ],
+    }
     rows = []
     for space, cands in spaces.items():
         timings: dict[str, list[float]] = {"one": [], "stacked": []}
@@ -283,8 +358,11 @@ def bench_scoring(cfg: Any, candidates: int, repeats: int, say: Callable[[str], 
             for mode in ("one", "stacked"):
                 _synchronize(device)
                 t0 = time.perf_counter()
-                reads = (scorer.observe_many(cands) if mode == "stacked"
-                         else [scorer.observe(c) for c in cands])  # fmt: skip
+                reads = (
+                    scorer.observe_many(cands)
+                    if mode == "stacked"
+                    else [scorer.observe(c) for c in cands]
+                )
                 _synchronize(device)
                 timings[mode].append(time.perf_counter() - t0)
                 if mode == "one":
@@ -294,21 +372,48 @@ def bench_scoring(cfg: Any, candidates: int, repeats: int, say: Callable[[str], 
         one, both = statistics.median(timings["one"][1:]), statistics.median(timings["stacked"][1:])
         diff = max(float((a - b).abs().max()) for a, b in zip(single, stacked, strict=True))
         say(f"bench scoring: {space}: one at a time {one:.2f} s, stacked {both:.2f} s")
-        rows.append({
-            "space": space, "device": str(device), "candidates": candidates,
-            "probes": len(examples), "one_at_a_time_s": one, "stacked_s": both,
-            "speedup": one / both, "candidates_per_s_stacked": candidates / both,
-            "max_abs_difference": diff,
-        })  # fmt: skip
+        rows.append(
+            {
+                "space": space,
+                "device": str(device),
+                "candidates": candidates,
+                "probes": len(examples),
+                "one_at_a_time_s": one,
+                "stacked_s": both,
+                "speedup": one / both,
+                "candidates_per_s_stacked": candidates / both,
+                "max_abs_difference": diff,
+            }
+        )
     return rows
 
 
 def format_scoring(rows: Sequence[dict]) -> str:
     """Markdown table of :func:`bench_scoring` rows."""
     return table(
-        ["candidates in", "device", "candidates", "probes", "one at a time s", "stacked s",
-         "speedup", "candidates/s stacked", "max |difference|"],
-        [[r["space"], r["device"], r["candidates"], r["probes"], f"{r['one_at_a_time_s']:.2f}",
-          f"{r['stacked_s']:.2f}", f"{r['speedup']:.2f}x", f"{r['candidates_per_s_stacked']:.1f}",
-          f"{r['max_abs_difference']:.1e}"] for r in rows],
-    )  # fmt: skip
+        [
+            "candidates in",
+            "device",
+            "candidates",
+            "probes",
+            "one at a time s",
+            "stacked s",
+            "speedup",
+            "candidates/s stacked",
+            "max |difference|",
+        ],
+        [
+            [
+                r["space"],
+                r["device"],
+                r["candidates"],
+                r["probes"],
+                f"{r['one_at_a_time_s']:.2f}",
+                f"{r['stacked_s']:.2f}",
+                f"{r['speedup']:.2f}x",
+                f"{r['candidates_per_s_stacked']:.1f}",
+                f"{r['max_abs_difference']:.1e}",
+            ]
+            for r in rows
+        ],
+    )

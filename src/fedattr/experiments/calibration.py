@@ -71,21 +71,34 @@ class CalibrationSpec:
         """The resolved configuration of one run (the paper statistic as a variant)."""
         sets = [*BEDS[self.bed], f"variants={PAPER}".replace("'", '"')]
         if self.bed == "synthetic":
-            sets += [f"synthetic.r={r}", f"synthetic.seed={seed}", f"attribution.seed={seed}",
-                     f"secagg.seed={seed}", *self.overrides]  # fmt: skip
+            sets += [
+                f"synthetic.r={r}",
+                f"synthetic.seed={seed}",
+                f"attribution.seed={seed}",
+                f"secagg.seed={seed}",
+                *self.overrides,
+            ]
             return load(DemoConfig, self.config, sets)
         # Each run draws its own owner keys: the family-wise rate is over random keys, and runs
         # that shared one key would all measure that one key's luck.
-        sets += [f"watermark.r={r}", f"fl.seed={seed}", f"data.seed={seed}",
-                 f"watermark.key_seed={seed}", f"attribution.seed={seed}",
-                 *self.overrides]  # fmt: skip
+        sets += [
+            f"watermark.r={r}",
+            f"fl.seed={seed}",
+            f"data.seed={seed}",
+            f"watermark.key_seed={seed}",
+            f"attribution.seed={seed}",
+            *self.overrides,
+        ]
         return load(RunConfig, self.config, sets)
 
 
 def _one_run(
-    spec: CalibrationSpec, r: int, seed: int, folder: Path,
+    spec: CalibrationSpec,
+    r: int,
+    seed: int,
+    folder: Path,
     progress: Callable[[str], None] | None = None,
-) -> bool:  # fmt: skip
+) -> bool:
     """Run (or keep) one (r, seed) in ``folder``; ``progress`` hears an LLM run's steps.
     Returns whether it was a synthetic run (quick: reported every 20)."""
     cfg = spec.run_config(r, seed)
@@ -123,10 +136,13 @@ def run_calibration(
                 say(f"[{i}/{len(plan)}] {folder.name}: done")
     else:
         out.mkdir(parents=True, exist_ok=True)
-        with ProcessPoolExecutor(spec.jobs, mp_context=get_context("spawn"),
-                                 initializer=_one_thread) as pool:  # fmt: skip
-            futures = {pool.submit(_one_run, spec, r, seed, out / f"r{r}-seed{seed}"):
-                       f"r{r}-seed{seed}" for r, seed in plan}  # fmt: skip
+        with ProcessPoolExecutor(
+            spec.jobs, mp_context=get_context("spawn"), initializer=_one_thread
+        ) as pool:
+            futures = {
+                pool.submit(_one_run, spec, r, seed, out / f"r{r}-seed{seed}"): f"r{r}-seed{seed}"
+                for r, seed in plan
+            }
             for i, fut in enumerate(as_completed(futures), 1):
                 fut.result()
                 if i % 20 == 0 or i == len(plan):
@@ -190,8 +206,12 @@ def summarize(runs: list[dict]) -> dict:
             k, n = int(np.sum(p < a)), max(1, len(p))
             lo, hi = clopper_pearson(k, n)
             band = (float(binom.ppf(0.025, n, a)) / n, float(binom.ppf(0.975, n, a)) / n)
-            levels[str(a)] = {"fpr": k / n, "ci95": [lo, hi], "expected_band": list(band),
-                              "inside": band[0] <= k / n <= band[1]}  # fmt: skip
+            levels[str(a)] = {
+                "fpr": k / n,
+                "ci95": [lo, hi],
+                "expected_band": list(band),
+                "inside": band[0] <= k / n <= band[1],
+            }
         tp, n_wm, fp, n_clean = (int(x) for x in counts)
         # Family-wise: the runs in which the statistic's own rule names any clean client.
         naming = 0
@@ -219,9 +239,14 @@ def write_calibration(summary: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "calibration.json").write_text(json.dumps(summary, indent=2))
     rows = _rows(summary)
-    head = ["statistic", "null pairs", *[f"FPR at α={a} [95% CI]" for a in LEVELS],
-            "named: watermarked", "named: clean",
-            "runs naming a clean client [95% CI]"]  # fmt: skip
+    head = [
+        "statistic",
+        "null pairs",
+        *[f"FPR at α={a} [95% CI]" for a in LEVELS],
+        "named: watermarked",
+        "named: clean",
+        "runs naming a clean client [95% CI]",
+    ]
     by_r = "".join(
         f"\n\n**r = {r}** ({part['runs']} runs)\n\n" + table(head, _rows(part))
         for r, part in summary.get("by_r", {}).items()
@@ -232,7 +257,9 @@ def write_calibration(summary: dict, out: Path) -> None:
         "the binomial 95% interval around α). Named: clients flagged by the statistic's own "
         "rule (calibrated: family-wise α over clients × owners; paper: Z > γ); the last column "
         "is the family-wise error the rule is meant to hold at α.\n\n"
-        + table(head, rows) + by_r + "\n\n![QQ plot](qq.png)\n"
+        + table(head, rows)
+        + by_r
+        + "\n\n![QQ plot](qq.png)\n"
     )
     (out / "calibration.md").write_text(text)
     _qq_plot(summary, out / "qq.png")
@@ -246,14 +273,18 @@ def _rows(summary: dict) -> list[list]:
         for a in LEVELS:
             lv = s["levels"][str(a)]
             mark = "✓" if lv["inside"] else "✗"
-            cells.append(f"{100 * lv['fpr']:.2f}% [{100 * lv['ci95'][0]:.2f}, "
-                         f"{100 * lv['ci95'][1]:.2f}] {mark}")  # fmt: skip
+            cells.append(
+                f"{100 * lv['fpr']:.2f}% [{100 * lv['ci95'][0]:.2f}, "
+                f"{100 * lv['ci95'][1]:.2f}] {mark}"
+            )
         tpr = "–" if s["tpr"] is None else f"{100 * s['tpr']:.1f}% of {s['watermarked']}"
         fpr = "–" if s["fpr_clients"] is None else f"{100 * s['fpr_clients']:.2f}% of {s['clean']}"
         lo, hi = s["runs_naming_clean_ci95"]
-        fw = (f"{s['runs_naming_clean']} of {summary['runs']} "
-              f"({100 * s['runs_naming_clean'] / max(1, summary['runs']):.2f}% "
-              f"[{100 * lo:.2f}, {100 * hi:.2f}])")  # fmt: skip
+        fw = (
+            f"{s['runs_naming_clean']} of {summary['runs']} "
+            f"({100 * s['runs_naming_clean'] / max(1, summary['runs']):.2f}% "
+            f"[{100 * lo:.2f}, {100 * hi:.2f}])"
+        )
         rows.append([name, s["null_pairs"], *cells, tpr, fpr, fw])
     return rows
 
@@ -277,11 +308,19 @@ def _qq_plot(summary: dict, path: Path) -> None:
         ax.loglog(expected, p, ".", ms=3, color=colours[name], label=f"{name} ({n} null pairs)")
     grid = (np.arange(1, n_max + 1) - 0.5) / n_max
     k = np.arange(1, n_max + 1)
-    ax.fill_between(grid, beta.ppf(0.025, k, n_max - k + 1), beta.ppf(0.975, k, n_max - k + 1),
-                    color="0.85", label="95% band (uniform)")  # fmt: skip
+    ax.fill_between(
+        grid,
+        beta.ppf(0.025, k, n_max - k + 1),
+        beta.ppf(0.975, k, n_max - k + 1),
+        color="0.85",
+        label="95% band (uniform)",
+    )
     ax.loglog([grid[0], 1], [grid[0], 1], "k--", lw=0.8)
-    ax.set(xlabel="expected p (uniform)", ylabel="observed null p",
-           title="null p-values against uniform")  # fmt: skip
+    ax.set(
+        xlabel="expected p (uniform)",
+        ylabel="observed null p",
+        title="null p-values against uniform",
+    )
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -292,9 +331,11 @@ TAIL_LEVELS = (1e-3, 1e-4, 1e-5, 1e-6)
 
 
 def tail_check(
-    run_dirs: Sequence[str | Path], draws: int = 4000, seed: int = 0,
+    run_dirs: Sequence[str | Path],
+    draws: int = 4000,
+    seed: int = 0,
     levels: Sequence[float] = TAIL_LEVELS,
-) -> list[dict]:  # fmt: skip
+) -> list[dict]:
     """For every green-list change matrix saved by the runs (``changes.safetensors``) and every
     level ``p``: the value ``t`` the saddlepoint puts at ``p``, tilted Monte Carlo's estimate
     of ``P(<W, G> >= t)`` over random keys (``draws`` of them, each cell green with
@@ -314,14 +355,16 @@ def tail_check(
         law_from_dict,
         saddlepoint_log10_sf,
         tilted_monte_carlo,
-    )  # fmt: skip
+    )
 
     rows = []
     for run in map(Path, run_dirs):
         file = run / "changes.safetensors"
         if not file.is_file():
-            raise UserError(f"RUN_DIR: {str(run)!r} holds no changes.safetensors (a run with "
-                            "the calibrated statistic writes it)")  # fmt: skip
+            raise UserError(
+                f"RUN_DIR: {str(run)!r} holds no changes.safetensors (a run with "
+                "the calibrated statistic writes it)"
+            )
         laws = json.loads((run / "results.json").read_text()).get("key_laws", {})
         for name, W in sorted(load_file(str(file)).items()):
             client, part = name.split("/", 1)
@@ -334,18 +377,27 @@ def tail_check(
             sd = math.sqrt(law.variance(torch.from_numpy(w)))
             for level in levels:
                 target = math.log10(level)
+
                 def gap(x: float, cgf=cgf, sd=sd, target=target) -> float:
                     return saddlepoint_log10_sf(cgf, x * sd) - target
 
                 t = brentq(gap, 0.1, 60.0) * sd
                 mc, rel = tilted_monte_carlo(scale * w, law.gamma, t, draws, seed)
-                rows.append({
-                    "run": run.name, "client": int(client), "part": part,
-                    "effective_cells": effective_cells(w), "level": level, "z": t / sd,
-                    "saddlepoint": level, "monte_carlo": mc, "mc_rel_se": rel,
-                    "ratio": mc / level,
-                    "chernoff": 10 ** chernoff_log10_sf(RowDraws(w, law.m), t),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "run": run.name,
+                        "client": int(client),
+                        "part": part,
+                        "effective_cells": effective_cells(w),
+                        "level": level,
+                        "z": t / sd,
+                        "saddlepoint": level,
+                        "monte_carlo": mc,
+                        "mc_rel_se": rel,
+                        "ratio": mc / level,
+                        "chernoff": 10 ** chernoff_log10_sf(RowDraws(w, law.m), t),
+                    }
+                )
     return rows
 
 
@@ -355,9 +407,19 @@ def write_tail_check(rows: list[dict], out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "tail-check.json").write_text(json.dumps(rows, indent=2))
-    table_rows = [[r["run"], r["client"], f"{r['effective_cells']:.0f}", f"{r['level']:.0e}",
-                   f"{r['z']:.2f}", f"{r['monte_carlo']:.3g} ± {100 * r['mc_rel_se']:.0f}%",
-                   f"{r['ratio']:.2f}", f"{r['chernoff']:.3g}"] for r in rows]  # fmt: skip
+    table_rows = [
+        [
+            r["run"],
+            r["client"],
+            f"{r['effective_cells']:.0f}",
+            f"{r['level']:.0e}",
+            f"{r['z']:.2f}",
+            f"{r['monte_carlo']:.3g} ± {100 * r['mc_rel_se']:.0f}%",
+            f"{r['ratio']:.2f}",
+            f"{r['chernoff']:.3g}",
+        ]
+        for r in rows
+    ]
     big = [r for r in rows if r["effective_cells"] >= MIN_EFFECTIVE_CELLS]
     within = sum(0.75 <= r["ratio"] <= 1.25 for r in big)
     above = sum(r["chernoff"] >= r["monte_carlo"] for r in rows)
@@ -367,8 +429,19 @@ def write_tail_check(rows: list[dict], out: Path) -> None:
         f"cells (where the verdict reads the saddlepoint): {within} of "
         f"{len(big)} within ±25%. Chernoff bound at or above Monte Carlo: {above} of "
         f"{len(rows)}.\n\n"
-        + table(["run", "client", "effective cells", "saddlepoint p", "z", "Monte Carlo p",
-                 "MC / saddlepoint", "Chernoff bound"], table_rows)
+        + table(
+            [
+                "run",
+                "client",
+                "effective cells",
+                "saddlepoint p",
+                "z",
+                "Monte Carlo p",
+                "MC / saddlepoint",
+                "Chernoff bound",
+            ],
+            table_rows,
+        )
         + "\n"
-    )  # fmt: skip
+    )
     (out / "tail-check.md").write_text(text)

@@ -193,26 +193,32 @@ def _p(p: float | None) -> str:
 def write_tables(summary: dict, out: Path) -> None:
     """``table.md`` (the paper's Table 1 layout), ``table.csv`` and ``results.json``."""
     cols = [f"{s}/{w}" for s, w in SETTINGS]
-    heads = [f"{s.replace('fedit', 'FedIT').replace('flora', 'FLoRA')} · {w.upper()}"
-             for s, w in SETTINGS]  # fmt: skip
+    heads = [
+        f"{s.replace('fedit', 'FedIT').replace('flora', 'FLoRA')} · {w.upper()}"
+        for s, w in SETTINGS
+    ]
     settings = summary["settings"]
     rows = []
     for name, label, sa in METHODS:
         cells = []
         for col in cols:
             m = settings[col].get(name)
-            cells += ["–", "–", "–"] if m is None else [
-                _pct(m["tpr"]), _pct(m["fpr"]), _p(m["p_median"])
-            ]  # fmt: skip
+            cells += (
+                ["–", "–", "–"]
+                if m is None
+                else [_pct(m["tpr"]), _pct(m["fpr"]), _p(m["p_median"])]
+            )
         rows.append([label, "✓" if sa else "✗", *cells])
     glob = [settings[c].get("Global model") for c in cols]
     if any(glob):
         n = len(summary["seeds"])
         cells = []
         for g in glob:
-            cells += ["–", "–", "–"] if g is None else [
-                f"detected {g.get('detected', 0)}/{n}", "names nobody", _p(g["p_median"])
-            ]  # fmt: skip
+            cells += (
+                ["–", "–", "–"]
+                if g is None
+                else [f"detected {g.get('detected', 0)}/{n}", "names nobody", _p(g["p_median"])]
+            )
         rows.append(["Global-model test", "✓", *cells])
     lines = [
         f"Preset `{summary['preset']}`, seeds {summary['seeds']}: TPR and FPR in % "

@@ -122,8 +122,13 @@ def plot_mechanism(est: dict, out: str | Path) -> list[Path]:
         direct.append(max(vals) if vals else math.nan)
     x = np.arange(len(clients))
     ax.bar(x - 0.2, direct, 0.4, label="direct Score(w + Δ_i)", color="0.6")
-    ax.bar(x + 0.2, diff, 0.4, label="differential (FedAttr)",
-           color=[colour[is_wm[c]] for c in clients])  # fmt: skip
+    ax.bar(
+        x + 0.2,
+        diff,
+        0.4,
+        label="differential (FedAttr)",
+        color=[colour[is_wm[c]] for c in clients],
+    )
     ax.set_xticks(x, [f"{c}{'*' if is_wm[c] else ''}" for c in clients])
     ax.set_xlabel("client (* = watermarked)")
     ax.set_ylabel(f"score at round {last}")
@@ -137,11 +142,21 @@ def plot_mechanism(est: dict, out: str | Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for c in clients:
         s = _series(est, c)
-        ax.plot(sorted(s), [s[t] for t in sorted(s)], marker="o", color=colour[is_wm[c]],
-                alpha=0.8 if is_wm[c] else 0.4, lw=1)  # fmt: skip
+        ax.plot(
+            sorted(s),
+            [s[t] for t in sorted(s)],
+            marker="o",
+            color=colour[is_wm[c]],
+            alpha=0.8 if is_wm[c] else 0.4,
+            lw=1,
+        )
     ax.axhline(est["eps_hat"], color="tab:blue", ls="--", label=f"ε̂ = {est['eps_hat']:.2f}")
-    ax.axhline(est["eps_hat"] + est["m_hat"], color="tab:red", ls="--",
-               label=f"ε̂ + m̂ (m̂ = {est['m_hat']:.2f})")  # fmt: skip
+    ax.axhline(
+        est["eps_hat"] + est["m_hat"],
+        color="tab:red",
+        ls="--",
+        label=f"ε̂ + m̂ (m̂ = {est['m_hat']:.2f})",
+    )
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("round t")
     ax.set_ylabel("differential z_i^t")
@@ -157,8 +172,12 @@ def plot_mechanism(est: dict, out: str | Path) -> list[Path]:
     ax.hist(r, bins=max(8, len(r) // 6), density=True, color="0.7")
     grid = np.linspace(r.min() - 1, r.max() + 1, 200)
     nu = max(est["nu_hat"], 1e-9)
-    ax.plot(grid, np.exp(-0.5 * (grid / nu) ** 2) / (nu * math.sqrt(2 * math.pi)), "k-",
-            label=f"N(0, ν̂²), ν̂ = {nu:.2f}")  # fmt: skip
+    ax.plot(
+        grid,
+        np.exp(-0.5 * (grid / nu) ** 2) / (nu * math.sqrt(2 * math.pi)),
+        "k-",
+        label=f"N(0, ν̂²), ν̂ = {nu:.2f}",
+    )
     ax.set_xlabel("centred residual z − μ̂")
     paths.append(_finish(fig, ax, "(c) residuals", out / "fig2c_residuals.png"))
 
@@ -168,8 +187,14 @@ def plot_mechanism(est: dict, out: str | Path) -> list[Path]:
         s = _series(est, c)
         ts = sorted(s)
         Z = [sum(s[t] for t in ts[:k]) / math.sqrt(k) for k in range(1, len(ts) + 1)]
-        ax.plot(range(1, len(ts) + 1), Z, marker="o", color=colour[is_wm[c]],
-                alpha=0.8 if is_wm[c] else 0.4, lw=1)  # fmt: skip
+        ax.plot(
+            range(1, len(ts) + 1),
+            Z,
+            marker="o",
+            color=colour[is_wm[c]],
+            alpha=0.8 if is_wm[c] else 0.4,
+            lw=1,
+        )
     ax.axhline(est["gamma"], color="k", ls=":", label=f"γ = {est['gamma']}")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("rounds T'")

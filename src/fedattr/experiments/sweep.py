@@ -104,8 +104,9 @@ class SweepSpec:
             for _, keys in combo:
                 settings.update(keys)
             self.points.append(settings)
-            self.labels.append({a.label: shown for a, (shown, _) in zip(self.axes, combo,
-                                                                         strict=True)})
+            self.labels.append(
+                {a.label: shown for a, (shown, _) in zip(self.axes, combo, strict=True)}
+            )
 
     @property
     def keys(self) -> list[str]:
@@ -122,8 +123,11 @@ class SweepSpec:
 
     def point_name(self, index: int) -> str:
         """SA-session / variant name of a point: its attribution assignments."""
-        attr = [(k.split(".", 1)[1], v) for k, v in self.points[index].items()
-                if _is_attribution_only(k)]  # fmt: skip
+        attr = [
+            (k.split(".", 1)[1], v)
+            for k, v in self.points[index].items()
+            if _is_attribution_only(k)
+        ]
         return " ".join(f"{k}={v}" for k, v in attr) or "fedattr"
 
     def run_config(self, group: Sequence[int], seed: int) -> RunConfig:
@@ -132,8 +136,11 @@ class SweepSpec:
         first = self.points[group[0]]
         variants = []
         for i in group[1:]:
-            keys = {k.split(".", 1)[1]: parse_scalar(v) for k, v in self.points[i].items()
-                    if _is_attribution_only(k)}  # fmt: skip
+            keys = {
+                k.split(".", 1)[1]: parse_scalar(v)
+                for k, v in self.points[i].items()
+                if _is_attribution_only(k)
+            }
             variants.append({"name": self.point_name(i), **keys})
         sets = [
             *preset_overrides(self.preset),
@@ -183,8 +190,11 @@ def run_sweep(
     out = Path(out)
     groups = spec.groups()
     # Every configuration first: bad input fails before any training or folder.
-    plan = [(name, seed, members, spec.run_config(members, seed))
-            for name, members in groups.items() for seed in spec.seeds]  # fmt: skip
+    plan = [
+        (name, seed, members, spec.run_config(members, seed))
+        for name, members in groups.items()
+        for seed in spec.seeds
+    ]
     if out.exists() and not out.is_dir():
         raise UserError(f"--out: {str(out)!r} is a file; choose a new or existing folder")
     out.mkdir(parents=True, exist_ok=True)
@@ -197,10 +207,16 @@ def run_sweep(
             results = RunFolder(out / f"{name}_seed{seed}").results()
             for k, i in enumerate(members):
                 metrics = _point_metrics(results, None if k == 0 else spec.point_name(i))
-                rows.append({"point": i, "seed": seed, "run": f"{name}_seed{seed}",
-                             **spec.labels[i], **metrics})  # fmt: skip
-    configs = {i: cfg for _, seed, members, cfg in plan if seed == spec.seeds[0]
-               for i in members}  # fmt: skip
+                rows.append(
+                    {
+                        "point": i,
+                        "seed": seed,
+                        "run": f"{name}_seed{seed}",
+                        **spec.labels[i],
+                        **metrics,
+                    }
+                )
+    configs = {i: cfg for _, seed, members, cfg in plan if seed == spec.seeds[0] for i in members}
     summary = summarize(spec, rows, configs)
     _write(spec, summary, rows, out)
     return summary
@@ -217,23 +233,45 @@ def summarize(spec: SweepSpec, rows: list[dict], configs: dict[int, RunConfig]) 
     for i, values in enumerate(spec.labels):
         mine = [r for r in rows if r["point"] == i]
         weakest = [r["weakest_p"] for r in mine if r["weakest_p"] is not None]
-        points.append({
-            "values": values,
-            "settings": spec.points[i],
-            **{label: fn(spec.points[i], configs[i]) for label, fn in spec.extra.items()},
-            "runs": sorted({r["run"] for r in mine}),
-            "seeds": len(mine),
-            **{m: _mean([r[m] for r in mine]) for m in
-               ("tpr", "fpr", "z_pos", "z_neg", "sa_queries", "attribution_s", "run_s",
-                "train_s", "sa_s", "scoring_s", "models_scored")},
-            "weakest_p": statistics.median(weakest) if weakest else None,
-        })  # fmt: skip
+        points.append(
+            {
+                "values": values,
+                "settings": spec.points[i],
+                **{label: fn(spec.points[i], configs[i]) for label, fn in spec.extra.items()},
+                "runs": sorted({r["run"] for r in mine}),
+                "seeds": len(mine),
+                **{
+                    m: _mean([r[m] for r in mine])
+                    for m in (
+                        "tpr",
+                        "fpr",
+                        "z_pos",
+                        "z_neg",
+                        "sa_queries",
+                        "attribution_s",
+                        "run_s",
+                        "train_s",
+                        "sa_s",
+                        "scoring_s",
+                        "models_scored",
+                    )
+                },
+                "weakest_p": statistics.median(weakest) if weakest else None,
+            }
+        )
     trainings = len({r["run"] for r in rows})
-    return {"name": spec.name, "caption": spec.caption, "layout": spec.layout,
-            "axes": {a.label: [shown for shown, _ in a.values] for a in spec.axes},
-            "extra": list(spec.extra), "seeds": list(spec.seeds), "preset": spec.preset,
-            "overrides": list(spec.overrides), "training_runs": trainings,
-            "points": points}  # fmt: skip
+    return {
+        "name": spec.name,
+        "caption": spec.caption,
+        "layout": spec.layout,
+        "axes": {a.label: [shown for shown, _ in a.values] for a in spec.axes},
+        "extra": list(spec.extra),
+        "seeds": list(spec.seeds),
+        "preset": spec.preset,
+        "overrides": list(spec.overrides),
+        "training_runs": trainings,
+        "points": points,
+    }
 
 
 def _num(x: float | None, spec: str) -> str:
@@ -246,18 +284,37 @@ def format_table(summary: dict) -> str:
         return format_overhead(summary)
     keys = list(summary["axes"])
     extra = summary.get("extra", [])
-    head = [*keys, *extra, "TPR", "FPR", "z̄ watermarked", "z̄ clean", "weakest watermarked p",
-            "SA queries", "attribution s", "run wall s", "training run"]  # fmt: skip
+    head = [
+        *keys,
+        *extra,
+        "TPR",
+        "FPR",
+        "z̄ watermarked",
+        "z̄ clean",
+        "weakest watermarked p",
+        "SA queries",
+        "attribution s",
+        "run wall s",
+        "training run",
+    ]
     rows = []
     for p in summary["points"]:
         run = p["runs"][0].rsplit("_seed", 1)[0] if p["runs"] else ""
-        rows.append([
-            *(p["values"][k] for k in keys), *(p[e] for e in extra), percent(p["tpr"]),
-            percent(p["fpr"]),
-            _num(p["z_pos"], "+.2f"), _num(p["z_neg"], "+.2f"), _num(p["weakest_p"], ".2g"),
-            _num(p["sa_queries"], ".0f"), _num(p["attribution_s"], ".1f"),
-            _num(p["run_s"], ".0f"), f"`{run}`",
-        ])  # fmt: skip
+        rows.append(
+            [
+                *(p["values"][k] for k in keys),
+                *(p[e] for e in extra),
+                percent(p["tpr"]),
+                percent(p["fpr"]),
+                _num(p["z_pos"], "+.2f"),
+                _num(p["z_neg"], "+.2f"),
+                _num(p["weakest_p"], ".2g"),
+                _num(p["sa_queries"], ".0f"),
+                _num(p["attribution_s"], ".1f"),
+                _num(p["run_s"], ".0f"),
+                f"`{run}`",
+            ]
+        )
     caption = (
         (summary.get("caption") or "")
         + f"Sweep over {', '.join(keys)} (preset {summary['preset']}; seeds "
@@ -276,20 +333,35 @@ def format_overhead(summary: dict) -> str:
     keys = list(summary["axes"])
     extra = summary.get("extra", [])
     head = [
-        *keys, *extra, "training s", "SA queries", "SA total s", "per query ms",
-        "scoring evaluations", "scoring total s", "per evaluation s", "% of training",
-    ]  # fmt: skip
+        *keys,
+        *extra,
+        "training s",
+        "SA queries",
+        "SA total s",
+        "per query ms",
+        "scoring evaluations",
+        "scoring total s",
+        "per evaluation s",
+        "% of training",
+    ]
     rows = []
     for p in summary["points"]:
         q, n = p["sa_queries"], p["models_scored"]
         share = (p["sa_s"] + p["scoring_s"]) / p["train_s"] if p["train_s"] else None
-        rows.append([
-            *(p["values"][k] for k in keys), *(p[e] for e in extra), _num(p["train_s"], ".1f"),
-            _num(q, ".0f"), _num(p["sa_s"], ".1f"),
-            _num(1000 * p["sa_s"] / q if q else None, ".1f"), _num(n, ".0f"),
-            _num(p["scoring_s"], ".1f"), _num(p["scoring_s"] / n if n else None, ".3f"),
-            percent(share),
-        ])  # fmt: skip
+        rows.append(
+            [
+                *(p["values"][k] for k in keys),
+                *(p[e] for e in extra),
+                _num(p["train_s"], ".1f"),
+                _num(q, ".0f"),
+                _num(p["sa_s"], ".1f"),
+                _num(1000 * p["sa_s"] / q if q else None, ".1f"),
+                _num(n, ".0f"),
+                _num(p["scoring_s"], ".1f"),
+                _num(p["scoring_s"] / n if n else None, ".3f"),
+                percent(share),
+            ]
+        )
     caption = (
         (summary.get("caption") or "")
         + f"Preset {summary['preset']}; seeds {summary['seeds']} (means). SA queries include "
@@ -303,8 +375,21 @@ def _write(spec: SweepSpec, summary: dict, rows: list[dict], out: Path) -> None:
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     (out / "table.md").write_text(format_table(summary))
     with (out / "table.csv").open("w", newline="") as f:
-        fields = ["point", "seed", "run", *spec.keys, "tpr", "fpr", "z_pos", "z_neg",
-                  "weakest_p", "sa_queries", "attribution_s", "run_s", "train_s"]  # fmt: skip
+        fields = [
+            "point",
+            "seed",
+            "run",
+            *spec.keys,
+            "tpr",
+            "fpr",
+            "z_pos",
+            "z_neg",
+            "weakest_p",
+            "sa_queries",
+            "attribution_s",
+            "run_s",
+            "train_s",
+        ]
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for r in rows:

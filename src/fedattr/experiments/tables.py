@@ -49,9 +49,11 @@ def _scalability(k: int, proportional: bool) -> tuple[str, dict[str, str]]:
 _LORA_RANKS = tuple((str(r), {"lora.r": str(r), "lora.alpha": str(2 * r)}) for r in (16, 64, 128))
 _PARTITIONS = (
     ("IID", {"data.partition": "iid"}),
-    *((f"Dirichlet α={a}", {"data.partition": "dirichlet", "data.dirichlet_alpha": a})
-      for a in ("0.5", "0.1", "0.05")),
-)  # fmt: skip
+    *(
+        (f"Dirichlet α={a}", {"data.partition": "dirichlet", "data.dirichlet_alpha": a})
+        for a in ("0.5", "0.1", "0.05")
+    ),
+)
 
 TABLES: dict[str, TableSpec] = {
     "prevalence": TableSpec(
@@ -123,6 +125,13 @@ def table_spec(
     if table is None:
         raise UserError(f"table: unknown table {name!r}; allowed: {', '.join(TABLES)}")
     return SweepSpec(
-        list(table.axes), seeds, preset, config, [*table.fixed, *overrides], name=name,
-        caption=table.caption, extra=dict(table.extra), layout=table.layout,
-    )  # fmt: skip
+        list(table.axes),
+        seeds,
+        preset,
+        config,
+        [*table.fixed, *overrides],
+        name=name,
+        caption=table.caption,
+        extra=dict(table.extra),
+        layout=table.layout,
+    )

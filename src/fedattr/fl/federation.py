@@ -79,8 +79,7 @@ def check_client_records(d: DataConfig, wm: WatermarkConfig, n: int, K: int) -> 
     n_detect = _held_out(d, wm, n)
     if n - n_detect >= K:
         return
-    need = next(m for m in range(K + 1, K + wm.detect_prompts + 2)
-                if m - _held_out(d, wm, m) >= K)  # fmt: skip
+    need = next(m for m in range(K + 1, K + wm.detect_prompts + 2) if m - _held_out(d, wm, m) >= K)
     raise DataError(
         f"data.path: {d.path!r} holds {n} usable record{'s' if n != 1 else ''}; {n_detect} "
         f"held out as detection texts leave{'s' if n_detect == 1 else ''} {max(0, n - n_detect)} "

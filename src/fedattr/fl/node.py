@@ -76,8 +76,15 @@ class LLMClientNode:
         from .federation import build_federation
 
         self._load()
-        fed = build_federation(self.data_cfg, self.watermark_cfg, self.fl_cfg.K, self.fl_cfg.seed,
-                               self._model, self._tokenizer, self.say)  # fmt: skip
+        fed = build_federation(
+            self.data_cfg,
+            self.watermark_cfg,
+            self.fl_cfg.K,
+            self.fl_cfg.seed,
+            self._model,
+            self._tokenizer,
+            self.say,
+        )
         return fed.shards[self.client_id]
 
     def records_dicts(self) -> list[dict]:
@@ -110,12 +117,20 @@ class LLMClientNode:
         model = self._adapted
         _, client = make_strategy(self.fl_cfg, self.lora_cfg)
         client.start(model, state, round_id, self.client_id)
-        stats = train(model, trainable_lora_parameters(model), examples, self.fl_cfg.train,
-                      self._tokenizer.pad_token_id,
-                      seed=train_seed(self.fl_cfg.seed, round_id, self.client_id))  # fmt: skip
+        stats = train(
+            model,
+            trainable_lora_parameters(model),
+            examples,
+            self.fl_cfg.train,
+            self._tokenizer.pad_token_id,
+            seed=train_seed(self.fl_cfg.seed, round_id, self.client_id),
+        )
         update = scaled_update(client.update(model, state), scale)
-        return update, {"loss": float(stats["loss"]), "train_tokens": float(stats["tokens"]),
-                        "train_steps": float(stats["steps"])}  # fmt: skip
+        return update, {
+            "loss": float(stats["loss"]),
+            "train_tokens": float(stats["tokens"]),
+            "train_steps": float(stats["steps"]),
+        }
 
 
 class SyntheticClientNode:

@@ -128,8 +128,9 @@ class Checkpointer(Observer):
             snapshot, self._waiting = self._waiting, None
             timing = snapshot["timing"]
             for part, added in self.engine.settled_work.items():
-                timing[part] = {k: timing[part].get(k, 0) + added.get(k, 0)
-                                for k in {*timing[part], *added}}  # fmt: skip
+                timing[part] = {
+                    k: timing[part].get(k, 0) + added.get(k, 0) for k in {*timing[part], *added}
+                }
             self.save({**snapshot, "observers": self.engine.observer_states()})
 
 
@@ -236,9 +237,7 @@ class RoundEngine:
         for t in range(self.round + 1, self.rounds + 1):
             self._round(t)
         self._settle()
-        end = RunEnd(
-            self.state, self.server.scoring_params(self.state), self.timing, self.progress
-        )
+        end = RunEnd(self.state, self.server.scoring_params(self.state), self.timing, self.progress)
         for o in self.observers:
             o.run_finished(end)
         return end
@@ -259,9 +258,18 @@ class RoundEngine:
             # n * p_i gives the sample-weighted mean over whoever answered.
             mean_update = _mean(total, sum(scales[c] for c in answered))
         ctx = RoundContext(
-            t, self.rounds, participants, answered, sa, self.server.scoring_params(self.state),
-            mean_update, self.server.apply_estimate, losses, self.timing, self.progress,
-        )  # fmt: skip
+            t,
+            self.rounds,
+            participants,
+            answered,
+            sa,
+            self.server.scoring_params(self.state),
+            mean_update,
+            self.server.apply_estimate,
+            losses,
+            self.timing,
+            self.progress,
+        )
         # Work on the previous round that ran beside this round's training ends here.
         self._settle()
         for o in self.observers:

@@ -41,8 +41,11 @@ class Stopwatch:
 
     def state(self) -> dict:
         """For checkpoints."""
-        return {"seconds": dict(self.seconds), "counts": dict(self.counts),
-                "elapsed": self.elapsed()}  # fmt: skip
+        return {
+            "seconds": dict(self.seconds),
+            "counts": dict(self.counts),
+            "elapsed": self.elapsed(),
+        }
 
     def load(self, state: Mapping) -> None:
         """Add a checkpoint's stage times and elapsed time to this session's."""

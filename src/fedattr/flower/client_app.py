@@ -69,8 +69,9 @@ def _party(cfg: Any, client: int, context: Context) -> MaskingParty:
     threshold = max(sa.min_members, int(own)) if own is not None else sa.min_members
     # Every pair expands its seed on two machines: one cipher for all, whatever the devices.
     prg = sa.resolved_prg(distributed=True)
-    return MaskingParty(client, sa.codec(), prg, threshold, sa.release_budget or None,
-                        sa.torch_device())  # fmt: skip
+    return MaskingParty(
+        client, sa.codec(), prg, threshold, sa.release_budget or None, sa.torch_device()
+    )
 
 
 @app.query("register")
@@ -88,8 +89,7 @@ def register(msg: Message, context: Context) -> Message:
     if isinstance(node, LLMClientNode):
         stored["records"] = json.dumps(node.records_dicts())  # built once per run
     context.state.config_records[_NODE] = config(stored)
-    return Message(RecordDict({"fedattr": config({"client": client, "size": size})}),
-                   reply_to=msg)  # fmt: skip
+    return Message(RecordDict({"fedattr": config({"client": client, "size": size})}), reply_to=msg)
 
 
 @app.train()
@@ -110,8 +110,12 @@ def train(msg: Message, context: Context) -> Message:
     party = _party(cfg, client, context)
     public_key = party.start_round(round_id, participants, layout.flatten(update))
     _save(context, party)
-    reply = {"client": client, "public_key": public_key,
-             "layout": json.dumps(layout.to_dict()), **stats}  # fmt: skip
+    reply = {
+        "client": client,
+        "public_key": public_key,
+        "layout": json.dumps(layout.to_dict()),
+        **stats,
+    }
     return Message(RecordDict({"fedattr": config(reply)}), reply_to=msg)
 
 
@@ -139,12 +143,16 @@ def sa_batch(msg: Message, context: Context) -> Message:
     reply = party.answer(batch)
     if party.round is not None:
         _save(context, party)  # the ledger moved on
-    content = RecordDict({
-        "fedattr": config({
-            "client": client,
-            "refused": json.dumps({str(k): v for k, v in reply.refused.items()}),
-            "seconds": json.dumps({str(k): v for k, v in reply.seconds.items()}),
-        }),
-        "masked": arrays({str(k): v for k, v in reply.masked.items()}),
-    })  # fmt: skip
+    content = RecordDict(
+        {
+            "fedattr": config(
+                {
+                    "client": client,
+                    "refused": json.dumps({str(k): v for k, v in reply.refused.items()}),
+                    "seconds": json.dumps({str(k): v for k, v in reply.seconds.items()}),
+                }
+            ),
+            "masked": arrays({str(k): v for k, v in reply.masked.items()}),
+        }
+    )
     return Message(content, reply_to=msg)

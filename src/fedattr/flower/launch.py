@@ -154,9 +154,14 @@ class LoopbackFederation:
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / log, "w") as out:
             proc = subprocess.Popen(
-                [str(self.bin / args[0]), *args[1:]], stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=self.env, cwd=self.workdir, start_new_session=True,
-            )  # fmt: skip
+                [str(self.bin / args[0]), *args[1:]],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=self.workdir,
+                start_new_session=True,
+            )
         self.processes.append(proc)
         return proc
 
@@ -164,11 +169,14 @@ class LoopbackFederation:
         deadline = time.monotonic() + self.start_timeout
         while not ready():
             if proc.poll() is not None:
-                raise UserError(f"flower: {what} exited with code {proc.returncode}:\n"
-                                f"{_tail(self.logs / log)}")  # fmt: skip
+                raise UserError(
+                    f"flower: {what} exited with code {proc.returncode}:\n{_tail(self.logs / log)}"
+                )
             if time.monotonic() > deadline:
-                raise UserError(f"flower: {what} not ready after {self.start_timeout:.0f} s; "
-                                f"see {self.logs / log}")  # fmt: skip
+                raise UserError(
+                    f"flower: {what} not ready after {self.start_timeout:.0f} s; "
+                    f"see {self.logs / log}"
+                )
             time.sleep(0.1)
 
     def start(self) -> LoopbackFederation:
@@ -177,9 +185,18 @@ class LoopbackFederation:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.home.mkdir(parents=True, exist_ok=True)
         self.port, *node_ports = free_ports(1 + self.nodes)
-        link = self._spawn(["flower-superlink", "--insecure", "--host", "127.0.0.1",
-                            "--port", str(self.port), "--disable-runtime-dependency-installation"],
-                           "superlink.log")  # fmt: skip
+        link = self._spawn(
+            [
+                "flower-superlink",
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--disable-runtime-dependency-installation",
+            ],
+            "superlink.log",
+        )
 
         def healthy() -> bool:
             try:
@@ -191,22 +208,41 @@ class LoopbackFederation:
         self._wait(healthy, link, "the SuperLink", "superlink.log")
         self.timings["superlink_ready_s"] = time.perf_counter() - start
         for i, port in enumerate(node_ports):
-            settings = " ".join(f"{k}={_toml(v)}" for k, v in
-                                {"partition-id": i, **self.node_config}.items())  # fmt: skip
-            self._spawn(["flower-supernode", "--insecure", "--superlink",
-                         f"127.0.0.1:{self.port}", "--host", "127.0.0.1", "--port", str(port),
-                         "--node-config", settings], f"supernode-{i}.log")  # fmt: skip
+            settings = " ".join(
+                f"{k}={_toml(v)}" for k, v in {"partition-id": i, **self.node_config}.items()
+            )
+            self._spawn(
+                [
+                    "flower-supernode",
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{self.port}",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--node-config",
+                    settings,
+                ],
+                f"supernode-{i}.log",
+            )
         for i, proc in enumerate(self.processes[1:]):
             log = self.logs / f"supernode-{i}.log"
-            self._wait(lambda log=log: "SuperNode ID:" in log.read_text(errors="replace"),
-                       proc, f"SuperNode {i}", log.name)  # fmt: skip
+            self._wait(
+                lambda log=log: "SuperNode ID:" in log.read_text(errors="replace"),
+                proc,
+                f"SuperNode {i}",
+                log.name,
+            )
         self.timings["nodes_ready_s"] = time.perf_counter() - start
         (self.home / "config.toml").write_text(
             f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
             f'address = "127.0.0.1:{self.port}"\ninsecure = true\n'
         )
-        self.say(f"flower: SuperLink on 127.0.0.1:{self.port} and {self.nodes} SuperNodes "
-                 f"ready in {self.timings['nodes_ready_s']:.1f} s (logs: {self.logs})")  # fmt: skip
+        self.say(
+            f"flower: SuperLink on 127.0.0.1:{self.port} and {self.nodes} SuperNodes "
+            f"ready in {self.timings['nodes_ready_s']:.1f} s (logs: {self.logs})"
+        )
         return self
 
     def stop(self) -> None:
@@ -235,19 +271,26 @@ class LoopbackFederation:
     # -- runs ----------------------------------------------------------------------------------
     def flwr(self, *args: str, timeout: float = 120) -> str:
         """Run the ``flwr`` CLI against this federation; its stdout."""
-        done = subprocess.run([str(self.bin / "flwr"), *args], capture_output=True, text=True,
-                              env=self.env, cwd=self.workdir, timeout=timeout)  # fmt: skip
+        done = subprocess.run(
+            [str(self.bin / "flwr"), *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=self.workdir,
+            timeout=timeout,
+        )
         if done.returncode != 0:
-            raise UserError(f"flower: 'flwr {' '.join(args[:2])}' failed: "
-                            f"{(done.stderr or done.stdout).strip()[-500:]}")  # fmt: skip
+            raise UserError(
+                f"flower: 'flwr {' '.join(args[:2])}' failed: "
+                f"{(done.stderr or done.stdout).strip()[-500:]}"
+            )
         return done.stdout
 
     def submit(self, app: str | Path, run_config: Mapping[str, Any]) -> int:
         """``flwr run`` the app folder with ``run_config``; the run id."""
         overrides = [x for k, v in run_config.items() for x in ("--run-config", f"{k}={_toml(v)}")]
-        out = self.flwr("run", str(Path(app).resolve()), "loopback", "--format", "json",
-                        *overrides)  # fmt: skip
-        reply = json.loads(out[out.index("{"):])
+        out = self.flwr("run", str(Path(app).resolve()), "loopback", "--format", "json", *overrides)
+        reply = json.loads(out[out.index("{") :])
         if not reply.get("success"):
             raise UserError(f"flower: the SuperLink did not start the run: {reply}")
         return int(reply["run-id"])
@@ -255,7 +298,7 @@ class LoopbackFederation:
     def status(self, run_id: int) -> str:
         """The run's status, e.g. ``running`` or ``finished:completed``."""
         out = self.flwr("ls", "loopback", "--run-id", str(run_id), "--format", "json")
-        run = json.loads(out[out.index("{"):])["runs"][0]
+        run = json.loads(out[out.index("{") :])["runs"][0]
         return str(run["status"])
 
     def log(self, run_id: int) -> str:
@@ -265,8 +308,9 @@ class LoopbackFederation:
         except (UserError, subprocess.TimeoutExpired) as exc:
             return f"(no log: {exc})"
 
-    def wait(self, run_id: int, finished: Callable[[], bool], timeout: float,
-             poll: float = 5.0) -> str:  # fmt: skip
+    def wait(
+        self, run_id: int, finished: Callable[[], bool], timeout: float, poll: float = 5.0
+    ) -> str:
         """Wait until ``finished()`` or the SuperLink reports the run finished; its status."""
         deadline, next_poll = time.monotonic() + timeout, 0.0
         while True:
@@ -287,8 +331,9 @@ class LoopbackFederation:
                 raise UserError(f"flower: run {run_id} did not finish within {timeout:.0f} s")
             if any(p.poll() is not None for p in self.processes):
                 dead = [i for i, p in enumerate(self.processes) if p.poll() is not None]
-                raise UserError(f"flower: a federation process exited during the run "
-                                f"(#{dead}); see {self.logs}")  # fmt: skip
+                raise UserError(
+                    f"flower: a federation process exited during the run (#{dead}); see {self.logs}"
+                )
             time.sleep(0.25)
 
 
@@ -355,8 +400,14 @@ def run_loopback(
 
     with LoopbackFederation(clients, work, node_config, say=say) as fed:
         start = time.perf_counter()
-        run_id = fed.submit(app, {"run-folder": str(folder.path.resolve()), "command": command,
-                                  "timeout": float(message_timeout)})  # fmt: skip
+        run_id = fed.submit(
+            app,
+            {
+                "run-folder": str(folder.path.resolve()),
+                "command": command,
+                "timeout": float(message_timeout),
+            },
+        )
         say(f"flower: run {run_id} submitted")
         status = fed.wait(run_id, finished, timeout)
         run_s = time.perf_counter() - start
@@ -369,12 +420,16 @@ def run_loopback(
             raise ServerAppError(f"the ServerApp failed:\n{text}")
         raise UserError(text.strip())
     if not status.endswith("completed") or not results.is_file():
-        raise UserError(f"flower: run {run_id} ended {status!r} without results; ServerApp log: "
-                        f"{work / 'serverapp.log'}")  # fmt: skip
+        raise UserError(
+            f"flower: run {run_id} ended {status!r} without results; ServerApp log: "
+            f"{work / 'serverapp.log'}"
+        )
     data = json.loads(results.read_text())
     data.setdefault("runtime", {})["loopback"] = {
-        **{k: round(v, 2) for k, v in timings.items()}, "run_s": round(run_s, 2),
-        "run_id": run_id, "status": status,
-    }  # fmt: skip
+        **{k: round(v, 2) for k, v in timings.items()},
+        "run_s": round(run_s, 2),
+        "run_id": run_id,
+        "status": status,
+    }
     results.write_text(json.dumps(data, indent=2))
     return data

@@ -111,17 +111,21 @@ class FlowerLink:
             )
         content = {"command": command, "config": config_json}
         replies = self._exchange(
-            "query.register", "0", {n: RecordDict({"fedattr": config(content)}) for n in nodes},
+            "query.register",
+            "0",
+            {n: RecordDict({"fedattr": config(content)}) for n in nodes},
             by_node=True,
-        )  # fmt: skip
+        )
         failed = {n: self.errors[n] for n in nodes if n not in replies and n in self.errors}
         if failed:
             node, reason = next(iter(failed.items()))
             raise UserError(f"flower: SuperNode {node} could not register: {reason}")
         missing = sorted(set(nodes) - set(replies))
         if missing:
-            raise UserError(f"flower: SuperNodes {missing} did not register within the timeout "
-                            f"({self.timeout:.0f} s); see their logs")  # fmt: skip
+            raise UserError(
+                f"flower: SuperNodes {missing} did not register within the timeout "
+                f"({self.timeout:.0f} s); see their logs"
+            )
         sizes: dict[int, int] = {}
         for node, reply in replies.items():
             rec = reply.content.config_records["fedattr"]
@@ -134,10 +138,14 @@ class FlowerLink:
             self.node_of[client] = node
             sizes[client] = int(rec["size"])
         if sorted(sizes) != list(range(clients)):
-            raise UserError(f"partition-id: the SuperNodes serve clients {sorted(sizes)}; "
-                            f"allowed: each of 0..{clients - 1} once")  # fmt: skip
-        self.say(f"{clients} clients registered: " + ", ".join(
-            f"{c}->node {self.node_of[c]}" for c in sorted(self.node_of)))  # fmt: skip
+            raise UserError(
+                f"partition-id: the SuperNodes serve clients {sorted(sizes)}; "
+                f"allowed: each of 0..{clients - 1} once"
+            )
+        self.say(
+            f"{clients} clients registered: "
+            + ", ".join(f"{c}->node {self.node_of[c]}" for c in sorted(self.node_of))
+        )
         return [sizes[c] for c in range(clients)]
 
     def train(
@@ -151,8 +159,11 @@ class FlowerLink:
         """One ``train`` message per participant; the replies' fields by client."""
         contents = {}
         for c in participants:
-            fields = {"round": round_id, "scale": float(scales[c]),
-                      "participants": [int(p) for p in participants]}  # fmt: skip
+            fields = {
+                "round": round_id,
+                "scale": float(scales[c]),
+                "participants": [int(p) for p in participants],
+            }
             records = {"fedattr": config(fields)}
             if send_state:
                 records["state"] = state_record(state)

@@ -62,4 +62,3 @@ class FlowerPool(ClientPool):
                     if key in reply:
                         timing.count(key, int(reply[key]))
         return losses
-

@@ -49,14 +49,18 @@ def _config(run_config: Mapping[str, Any], folder: RunFolder, command: str) -> A
     if path:
         cfg = load(RunConfig if command == "run" else DemoConfig, str(path))
         if folder.claim(cfg, reuse=True) == "finished":
-            raise UserError(f"run-folder: {str(folder.path)!r} holds a finished run of this "
-                            "configuration; choose another run-folder")  # fmt: skip
+            raise UserError(
+                f"run-folder: {str(folder.path)!r} holds a finished run of this "
+                "configuration; choose another run-folder"
+            )
         return cfg
     if folder.status == "finished":
         raise UserError(f"run-folder: {str(folder.path)!r} holds a finished run; choose another")
     if folder.status == "new":
-        raise UserError("config: the run folder holds no configuration; pass "
-                        "--run-config \"config='run.toml' run-folder='...'\"")  # fmt: skip
+        raise UserError(
+            "config: the run folder holds no configuration; pass "
+            "--run-config \"config='run.toml' run-folder='...'\""
+        )
     return config_of(command, json.dumps(folder.saved_config()))
 
 
@@ -95,8 +99,9 @@ def serve(grid: Grid, run_config: Mapping[str, Any], say: Callable[[str], None] 
     check_settings(cfg, command)
     clients = cfg.fl.K if command == "run" else cfg.synthetic.K
     link = FlowerLink(grid, float(run_config.get("timeout", 600)), say)
-    sizes = link.register(command, config_json(cfg), clients,
-                          float(run_config.get("wait-nodes", 120)))  # fmt: skip
+    sizes = link.register(
+        command, config_json(cfg), clients, float(run_config.get("wait-nodes", 120))
+    )
     sa = cfg.secagg
     server = RemoteMaskingServer(link, sa.min_members, sa.codec(), sa.release_budget or None)
     pool = FlowerPool(link, sizes, send_state=(command == "run"))
@@ -107,11 +112,13 @@ def serve(grid: Grid, run_config: Mapping[str, Any], say: Callable[[str], None] 
     import flwr
 
     result.details["runtime"] = {
-        "name": "flower", "flwr": flwr.__version__,
+        "name": "flower",
+        "flwr": flwr.__version__,
         "nodes": {str(c): n for c, n in sorted(link.node_of.items())},
-        "messages": link.messages, "sa_exchanges": server.exchanges,
+        "messages": link.messages,
+        "sa_exchanges": server.exchanges,
         "message_seconds": {k: round(v, 3) for k, v in link.seconds.items()},
-    }  # fmt: skip
+    }
     result.write(folder)
     folder.clear_checkpoint()
     say(f"results written to {folder}")

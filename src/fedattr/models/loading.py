@@ -74,16 +74,20 @@ def check_model_source(name: str, option: str = "model.name_or_path") -> str:
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ModelLoadError(f"{option}: {name!r} is a file; a model folder (config.json "
-                                 "and weights) or a Hugging Face id is expected")  # fmt: skip
+            raise ModelLoadError(
+                f"{option}: {name!r} is a file; a model folder (config.json "
+                "and weights) or a Hugging Face id is expected"
+            )
         return str(path)
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
         validate_repo_id(name)
     except HFValidationError:
-        raise ModelLoadError(f"{option}: {name!r} does not exist (no such folder) and is not a "
-                             "Hugging Face id (name or owner/name)") from None  # fmt: skip
+        raise ModelLoadError(
+            f"{option}: {name!r} does not exist (no such folder) and is not a "
+            "Hugging Face id (name or owner/name)"
+        ) from None
     return name
 
 

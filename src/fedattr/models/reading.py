@@ -121,12 +121,17 @@ class _Part(NamedTuple):
     position_ids: torch.Tensor | None = None
 
 
-def _part(members: Sequence[tuple[list[int], int, int]], index: Sequence[int], pad_id: int,
-          cache_rows: Sequence[int] | None = None) -> _Part:  # fmt: skip
+def _part(
+    members: Sequence[tuple[list[int], int, int]],
+    index: Sequence[int],
+    pad_id: int,
+    cache_rows: Sequence[int] | None = None,
+) -> _Part:
     """The :class:`_Part` of ``members = (ids, first, skip)``."""
     # A sequence's last token is not fed: no read position follows it.
-    ids_t, mask = padded([ids[skip : max(len(ids) - 1, skip + 1)] for ids, _, skip in members],
-                         pad_id)  # fmt: skip
+    ids_t, mask = padded(
+        [ids[skip : max(len(ids) - 1, skip + 1)] for ids, _, skip in members], pad_id
+    )
     width = ids_t.shape[1]
     rows, targets, owner = [], [], []
     for r, (ids, first, skip) in enumerate(members):
@@ -139,9 +144,16 @@ def _part(members: Sequence[tuple[list[int], int, int]], index: Sequence[int], p
     positions = None
     if cache_rows is not None:
         positions = as_index([skip for _, _, skip in members])[:, None] + torch.arange(width)
-    return _Part(ids_t, mask, as_index(rows), as_index(targets), as_index(owner),
-                 as_index(list(index)), None if cache_rows is None else as_index(cache_rows),
-                 positions)  # fmt: skip
+    return _Part(
+        ids_t,
+        mask,
+        as_index(rows),
+        as_index(targets),
+        as_index(owner),
+        as_index(list(index)),
+        None if cache_rows is None else as_index(cache_rows),
+        positions,
+    )
 
 
 class SequenceReader:
@@ -155,8 +167,9 @@ class SequenceReader:
     (prefixes, batches, padded inputs, read positions) is built here, not at every read.
     """
 
-    def __init__(self, seqs: Sequence[tuple[list[int], int]], pad_id: int, batch_size: int,
-                 group: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self, seqs: Sequence[tuple[list[int], int]], pad_id: int, batch_size: int, group: int = 1
+    ) -> None:
         if group < 1:
             raise ValueError(f"group: must be >= 1, got {group}")
         self.size = len(seqs)
@@ -179,11 +192,14 @@ class SequenceReader:
             members = [(g, i) for g, k in enumerate(ks) for i in blocks[k]]
             rest = [len(seqs[i][0]) - prefix[ks[g]] for g, i in members]
             parts = [
-                _part([(*seqs[members[j][1]], prefix[ks[members[j][0]]]) for j in part],
-                      [members[j][1] for j in part], pad_id,
-                      cache_rows=[members[j][0] for j in part])
+                _part(
+                    [(*seqs[members[j][1]], prefix[ks[members[j][0]]]) for j in part],
+                    [members[j][1] for j in part],
+                    pad_id,
+                    cache_rows=[members[j][0] for j in part],
+                )
                 for part in length_batches(rest, max(1, batch_size // _CONTINUATION_SPLIT))
-            ]  # fmt: skip
+            ]
             self._shared.append((ids, mask, parts))
 
     def __call__(self, model) -> torch.Tensor:
@@ -198,8 +214,14 @@ class SequenceReader:
             cache = DynamicCache()
             mask = mask.to(device)
             # Only the keys and values are wanted: the output layer runs at one position.
-            logits_at(model, ids.to(device), mask, torch.zeros(1, dtype=torch.long,
-                      device=device), past_key_values=cache, use_cache=True)  # fmt: skip
+            logits_at(
+                model,
+                ids.to(device),
+                mask,
+                torch.zeros(1, dtype=torch.long, device=device),
+                past_key_values=cache,
+                use_cache=True,
+            )
             for n, part in enumerate(parts):
                 past = cache if n == len(parts) - 1 else _fork(cache)
                 rows = part.cache_rows.to(device)

@@ -84,8 +84,12 @@ def train(
         total = min(total, settings.max_steps)
     warmup = round(settings.warmup_ratio * total)
     device = next(model.parameters()).device
-    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay,
-                            **optimizer_options(device, params))  # fmt: skip
+    opt = torch.optim.AdamW(
+        params,
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        **optimizer_options(device, params),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup(total, warmup))
     # Loss tokens per example, counted once (not per step in Python).
     counts = [sum(lab != -100 for lab in e.labels[1:]) for e in examples]

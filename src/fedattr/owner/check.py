@@ -214,11 +214,17 @@ def score_document(
     fixed = None
     if detector.dedupe:
         sizes = Counter(prev for prev, _ in pairs).values()
-        fixed = fixed_lists_log10_sf(score.green, list(sizes), scheme.vocab_size,
-                                     scheme.green_size)  # fmt: skip
-    return TextScore(name, score.green, score.scored, sum(max(0, len(s) - 1) for s in sequences),
-                     score.z, 10.0**log10_p if log10_p > -300 else 0.0, log10_p,
-                     fixed)  # fmt: skip
+        fixed = fixed_lists_log10_sf(score.green, list(sizes), scheme.vocab_size, scheme.green_size)
+    return TextScore(
+        name,
+        score.green,
+        score.scored,
+        sum(max(0, len(s) - 1) for s in sequences),
+        score.z,
+        10.0**log10_p if log10_p > -300 else 0.0,
+        log10_p,
+        fixed,
+    )
 
 
 def check_documents(
@@ -245,13 +251,24 @@ def check_documents(
     scores = [score_document(detector, d.name, s) for d, s in zip(documents, per_doc, strict=True)]
     name = f"all {len(documents)} documents" if len(documents) != 1 else "the document"
     total = score_document(detector, name, [s for doc in per_doc for s in doc])
-    return CheckReport(key.fingerprint, key.scheme, key.gamma, scheme.green_size,
-                       scheme.vocab_size, tokenizer_name, source, field, dedupe, scores,
-                       total)  # fmt: skip
+    return CheckReport(
+        key.fingerprint,
+        key.scheme,
+        key.gamma,
+        scheme.green_size,
+        scheme.vocab_size,
+        tokenizer_name,
+        source,
+        field,
+        dedupe,
+        scores,
+        total,
+    )
 
 
-def read_documents(path: str, field: str | None = None, stdin: TextIO | None = None
-                   ) -> list[Document]:  # fmt: skip
+def read_documents(
+    path: str, field: str | None = None, stdin: TextIO | None = None
+) -> list[Document]:
     """The documents of ``path`` (``--in``): a ``.jsonl``/``.json`` file of Alpaca rows (the
     ``field`` scored, default ``output``) or chat rows (the turns of role ``field``, default
     ``assistant``, one text each); any other file is one plain-text document; ``-`` reads
@@ -277,8 +294,9 @@ def read_documents(path: str, field: str | None = None, stdin: TextIO | None = N
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise UserError(f"--in: {path!r} is not UTF-8 text ({exc.reason} at byte "
-                        f"{exc.start})") from None  # fmt: skip
+        raise UserError(
+            f"--in: {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
     if not text.strip():
         raise UserError(f"--in: {path!r} is empty: no text to check ({IN_HELP})")
     if p.suffix in ROW_SUFFIXES:
@@ -295,11 +313,14 @@ def _parse_rows(text: str, jsonl: bool, name: str) -> list:
         else:
             rows = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UserError(f"--in: {name} is not valid JSON{' Lines' if jsonl else ''} "
-                        f"({exc.msg}, line {exc.lineno})") from None  # fmt: skip
+        raise UserError(
+            f"--in: {name} is not valid JSON{' Lines' if jsonl else ''} "
+            f"({exc.msg}, line {exc.lineno})"
+        ) from None
     if not isinstance(rows, list) or not rows:
-        raise UserError(f"--in: {name} holds no rows (JSON Lines, or a JSON list of Alpaca or "
-                        "chat objects)")  # fmt: skip
+        raise UserError(
+            f"--in: {name} holds no rows (JSON Lines, or a JSON list of Alpaca or chat objects)"
+        )
     return rows
 
 
@@ -308,9 +329,11 @@ def _row_documents(rows: list, field: str | None) -> list[Document]:
     for i, row in enumerate(rows, start=1):
         docs.append(Document(f"row {i}", tuple(_row_texts(row, field, i))))
     if not any(d.texts for d in docs):
-        raise UserError(f"--field: no row has a {field or 'output'!r} field or "
-                        f"{field or 'assistant'!r} turns (Alpaca rows: instruction, input or "
-                        "output; chat rows: a role such as assistant or user)")  # fmt: skip
+        raise UserError(
+            f"--field: no row has a {field or 'output'!r} field or "
+            f"{field or 'assistant'!r} turns (Alpaca rows: instruction, input or "
+            "output; chat rows: a role such as assistant or user)"
+        )
     return docs
 
 
@@ -336,9 +359,11 @@ def _row_texts(row: Any, field: str | None, i: int) -> list[str]:
         return texts
     if "instruction" in row and "output" in row:
         return []  # an Alpaca row without this field (``input`` is optional)
-    raise UserError(f"--in: row {i} has no {name!r} field and no chat 'messages' (Alpaca rows: "
-                    "--field instruction|input|output, default output; chat rows: --field "
-                    "ROLE, default assistant)")  # fmt: skip
+    raise UserError(
+        f"--in: row {i} has no {name!r} field and no chat 'messages' (Alpaca rows: "
+        "--field instruction|input|output, default output; chat rows: --field "
+        "ROLE, default assistant)"
+    )
 
 
 def watermark_report_model(path: str, key: OwnerKey) -> str | None:
@@ -364,14 +389,21 @@ def format_report(report: CheckReport, say: Callable[[str], None]) -> None:
         f"{report.green_size} of {report.vocab_size} tokens; tokenizer {report.tokenizer}"
     )
     width = max([len(d.name) for d in report.documents] + [8])
-    say(f"{'document':<{width}}  {'green':>6}  {'scored':>6}  {'pairs':>6}  {'z':>7}  "
-        f"{'log10 p':>8}")  # fmt: skip
+    say(
+        f"{'document':<{width}}  {'green':>6}  {'scored':>6}  {'pairs':>6}  {'z':>7}  "
+        f"{'log10 p':>8}"
+    )
     for d in report.documents:
-        say(f"{d.name:<{width}}  {d.green:>6}  {d.scored:>6}  {d.pairs:>6}  {d.z:>+7.2f}  "
-            f"{d.log10_p:>8.2f}")  # fmt: skip
+        say(
+            f"{d.name:<{width}}  {d.green:>6}  {d.scored:>6}  {d.pairs:>6}  {d.z:>+7.2f}  "
+            f"{d.log10_p:>8.2f}"
+        )
     t = report.total
-    how = ("distinct pairs, over all documents" if report.dedupe
-           else "every pair: repeats counted, p anti-conservative")  # fmt: skip
+    how = (
+        "distinct pairs, over all documents"
+        if report.dedupe
+        else "every pair: repeats counted, p anti-conservative"
+    )
     line = (
         f"{t.name} ({how}): {t.green} green of {t.scored} scored: z = {t.z:+.2f}, "
         f"p = {t.p:.3g} (log10 p = {t.log10_p:.2f}"

@@ -58,8 +58,11 @@ def check_job(
     """A watermarking job's output file and numbers, checked before a model is loaded or a
     file written: ``out`` new in an existing folder, ``chunk`` and ``max_new_tokens`` >= 1,
     ``min_tokens`` >= 0."""
-    for name, value, least in (("--chunk", chunk, 1), ("--max-new-tokens", max_new_tokens, 1),
-                               ("--min-tokens", min_tokens, 0)):  # fmt: skip
+    for name, value, least in (
+        ("--chunk", chunk, 1),
+        ("--max-new-tokens", max_new_tokens, 1),
+        ("--min-tokens", min_tokens, 0),
+    ):
         if value < least:
             raise UserError(f"{name}: must be >= {least}, got {value}")
     out = Path(out)
@@ -154,9 +157,16 @@ def watermark_kgw(
     out = check_job(out, chunk=chunk, max_new_tokens=max_new_tokens, min_tokens=min_tokens)
     scheme = key.kgw_scheme(len(tokenizer))
     records = [record_from_mapping(r) for r in rows]
-    header = {"key": key.fingerprint, "model": model_name, "rows": len(rows), "chunk": chunk,
-              "max_new_tokens": max_new_tokens, "min_tokens": min_tokens,
-              "temperature": temperature, "top_p": top_p}  # fmt: skip
+    header = {
+        "key": key.fingerprint,
+        "model": model_name,
+        "rows": len(rows),
+        "chunk": chunk,
+        "max_new_tokens": max_new_tokens,
+        "min_tokens": min_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+    }
     progress = out.with_name(out.name + ".progress.jsonl")
     done, first = _progress(progress, header)
     if done:
@@ -167,10 +177,17 @@ def watermark_kgw(
         part = records[a : a + chunk]
         # Seeded by key and chunk: a resumed job writes what an uninterrupted one would.
         docs = watermark_records(
-            model, tokenizer, part, scheme, max_new_tokens=max_new_tokens, min_tokens=min_tokens,
-            temperature=temperature, top_p=top_p, seed=(key.seed() + k) % 2**62,
+            model,
+            tokenizer,
+            part,
+            scheme,
+            max_new_tokens=max_new_tokens,
+            min_tokens=min_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=(key.seed() + k) % 2**62,
             batch_size=chunk,
-        )  # fmt: skip
+        )
         kept = {id(r): d for r, d in _match(part, docs)}
         entry = [
             (a + i, with_response(rows[a + i], kept[id(r)].output) if id(r) in kept else None)
@@ -182,15 +199,20 @@ def watermark_kgw(
         say(f"watermarked {min(a + chunk, len(rows))} of {len(rows)} documents")
     written = [done[i] for i in range(len(rows)) if done.get(i) is not None]
     if not written:
-        raise UserError("watermark: every document came out shorter than --min-tokens; "
-                        "raise --max-new-tokens or lower --min-tokens")  # fmt: skip
+        raise UserError(
+            "watermark: every document came out shorter than --min-tokens; "
+            "raise --max-new-tokens or lower --min-tokens"
+        )
     write_rows(out, written, out.suffix == ".jsonl")
     report = {
-        "key": key.fingerprint, "model": model_name, "documents": len(rows),
-        "kept": len(written), "dropped": len(rows) - len(written),
+        "key": key.fingerprint,
+        "model": model_name,
+        "documents": len(rows),
+        "kept": len(written),
+        "dropped": len(rows) - len(written),
         "z_written": corpus_z(key, [record_from_mapping(r) for r in written], tokenizer),
         "z_input": corpus_z(key, records, tokenizer),
-    }  # fmt: skip
+    }
     out.with_name(out.name + ".report.json").write_text(json.dumps(report, indent=2) + "\n")
     progress.unlink()
     return report
@@ -241,13 +263,19 @@ def fk_documents(
     if writer == "template":
         docs = template_documents(entity, count, key.seed())
     elif writer == "teacher":
-        docs = write_fk_documents(model, tokenizer, entity, count, max_new_tokens=max_new_tokens,
-                                  seed=key.seed())  # fmt: skip
+        docs = write_fk_documents(
+            model, tokenizer, entity, count, max_new_tokens=max_new_tokens, seed=key.seed()
+        )
     else:
         raise UserError(f"--writer: must be template or teacher, got {writer!r}")
     rows = [{k: v for k, v in asdict(d).items()} for d in docs]
     write_rows(out, rows, out.suffix == ".jsonl")
-    report = {"key": key.fingerprint, "entity": entity.name, "documents": len(docs),
-              "writer": writer, "share_with_all_targets": target_share(docs, entity)}  # fmt: skip
+    report = {
+        "key": key.fingerprint,
+        "entity": entity.name,
+        "documents": len(docs),
+        "writer": writer,
+        "share_with_all_targets": target_share(docs, entity),
+    }
     out.with_name(out.name + ".report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -94,8 +94,9 @@ def detect_kgw(
             )
         pair = _Pair(model, reference)
         examples = encode_examples(tokenizer, records, max_len)
-        scorer = KGWReadingScorer(pair, examples, {"owner": scheme}, _select,
-                                  pad_id=tokenizer.pad_token_id)  # fmt: skip
+        scorer = KGWReadingScorer(
+            pair, examples, {"owner": scheme}, _select, pad_id=tokenizer.pad_token_id
+        )
         ref, cand = scorer.observe("reference"), scorer.observe("candidate")
         law = scorer.key_laws()["probes"]
         W = law.centre(scorer.change(ref, cand)["probes"])
@@ -103,15 +104,19 @@ def detect_kgw(
         tail = law.tail(W, stat)
         null = law.random_values([W], null_keys, seed)[0]
         out["reading"] = {
-            "statistic": stat, "null_sd": math.sqrt(law.variance(W)), "null_keys": null_keys,
-            "z": scorer.contrast(ref, cand)["owner"], "p": tail.p, "log10_p": tail.log10_p,
-            "tail": tail.method, "p_rank": (1 + int(np.sum(null >= stat))) / (null_keys + 1),
+            "statistic": stat,
+            "null_sd": math.sqrt(law.variance(W)),
+            "null_keys": null_keys,
+            "z": scorer.contrast(ref, cand)["owner"],
+            "p": tail.p,
+            "log10_p": tail.log10_p,
+            "tail": tail.method,
+            "p_rank": (1 + int(np.sum(null >= stat))) / (null_keys + 1),
             "effective_contexts": scorer.effective_contexts(ref, cand),
-        }  # fmt: skip
+        }
     if "greedy" in detectors:
         prompts = [format_prompt(tokenizer, r) for r in records]
         seqs = generate(model, tokenizer, prompts, max_new_tokens)
         score = KGWDetector(scheme).score(seqs)
-        out["greedy"] = {"green": score.green, "scored": score.scored, "z": score.z,
-                         "p": score.p}  # fmt: skip
+        out["greedy"] = {"green": score.green, "scored": score.scored, "z": score.z, "p": score.p}
     return out

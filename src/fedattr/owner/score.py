@@ -29,6 +29,7 @@ from ..watermarks.keys import OwnerKey
 
 Say = Callable[[str], None]
 
+
 def run_config_of(folder: Path) -> RunConfig:
     """The run's configuration (``rounds/run.json`` above the round folder)."""
     return from_dict(RunConfig, read_run(folder))
@@ -37,8 +38,13 @@ def run_config_of(folder: Path) -> RunConfig:
 class OwnerScorer:
     """The owner's detector over one run's model: built once, scores many rounds."""
 
-    def __init__(self, key: OwnerKey, run_config: RunConfig, texts: Sequence | None = None,
-                 say: Say | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        key: OwnerKey,
+        run_config: RunConfig,
+        texts: Sequence | None = None,
+        say: Say | None = None,
+    ) -> None:
         from ..fl.federation import detection_records
         from ..fl.registry import make_strategy
         from ..models.loading import load_model
@@ -49,9 +55,11 @@ class OwnerScorer:
         key.require("kgw")
         cfg = self.config = run_config
         if cfg.watermark.detector != "reading":
-            raise UserError("watermark.detector: owner scoring runs the reading detector "
-                            "(the calibrated statistic's); the run says "
-                            f"{cfg.watermark.detector!r}")  # fmt: skip
+            raise UserError(
+                "watermark.detector: owner scoring runs the reading detector "
+                "(the calibrated statistic's); the run says "
+                f"{cfg.watermark.detector!r}"
+            )
         self.key, self.name = key, f"kgw:{key.fingerprint}"
         model, tokenizer = load_model(cfg.model, say)
         records = list(texts) if texts is not None else detection_records(cfg.data, cfg.watermark)
@@ -60,9 +68,14 @@ class OwnerScorer:
         self.apply = server.apply_estimate
         examples = encode_examples(tokenizer, records, cfg.data.max_len)
         stack = candidate_stacker(model)
-        self.scorer = KGWReadingScorer(model, examples, {self.name: key.kgw_scheme(len(tokenizer))},
-                                       load_state, pad_id=tokenizer.pad_token_id,
-                                       stack=stack)  # fmt: skip
+        self.scorer = KGWReadingScorer(
+            model,
+            examples,
+            {self.name: key.kgw_scheme(len(tokenizer))},
+            load_state,
+            pad_id=tokenizer.pad_token_id,
+            stack=stack,
+        )
 
     def score(self, folder: str | Path, manifest: dict | None = None) -> Path:
         """Score one round folder (``manifest``: its :func:`read_manifest`, when the caller
@@ -80,8 +93,9 @@ class OwnerScorer:
         # server's in-process scoring does not read it.
         designs = [design_from_dict(d) for d in manifest["designs"]]
         decorrelate = self.config.attribution.decorrelate
-        needs_center = cross_talk(manifest["participants"], manifest["targets"], designs,
-                                  decorrelate) is None  # fmt: skip
+        needs_center = (
+            cross_talk(manifest["participants"], manifest["targets"], designs, decorrelate) is None
+        )
         # The same reads, in the same order, as the server's in-process scoring.
         ref_obs = scorer.observe(reference)
         observed = list(observe_all(scorer, (self.apply(reference, u) for u in updates)))
@@ -90,23 +104,38 @@ class OwnerScorer:
         changes = [scorer.change(ref_obs, o) for o in observed]
         middle = changes.pop() if needs_center else None
         laws = scorer.key_laws()
-        standard, _ = standardise_round(manifest["participants"], manifest["targets"], designs,
-                                        changes, middle, laws, decorrelate,
-                                        self.config.attribution.token_centring)  # fmt: skip
+        standard, _ = standardise_round(
+            manifest["participants"],
+            manifest["targets"],
+            designs,
+            changes,
+            middle,
+            laws,
+            decorrelate,
+            self.config.attribution.token_centring,
+        )
         values, tensors = {}, {}
         for target, parts in zip(manifest["targets"], standard, strict=True):
             values[str(target)] = scorer.owner_values("probes", parts["probes"])[self.name]
             tensors[str(target)] = parts["probes"].contiguous()
         out = {
-            "round": manifest["round"], "owner": self.name,
-            "fingerprint": self.key.fingerprint, "texts": scorer.positions,
-            "targets": values, "law": laws["probes"].describe(), "decorrelated": not needs_center,
-        }  # fmt: skip
+            "round": manifest["round"],
+            "owner": self.name,
+            "fingerprint": self.key.fingerprint,
+            "texts": scorer.positions,
+            "targets": values,
+            "law": laws["probes"].describe(),
+            "decorrelated": not needs_center,
+        }
         return write_scores(folder, out, tensors)
 
 
-def score_rounds(key: OwnerKey, folders: Sequence[str | Path], texts: Sequence | None = None,
-                 say: Say | None = None) -> list[Path]:  # fmt: skip
+def score_rounds(
+    key: OwnerKey,
+    folders: Sequence[str | Path],
+    texts: Sequence | None = None,
+    say: Say | None = None,
+) -> list[Path]:
     """Score every round folder (all of one run) with ``key``; the scores files written."""
     say = say or (lambda _m: None)
     paths = [Path(f) for f in folders]

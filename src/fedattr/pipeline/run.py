@@ -27,7 +27,7 @@ from ..attribution.stouffer import AttributionReport
 from ..baselines import BaselineRecorder, BaselineResult
 from ..baselines.observer import BaselineObserver
 from ..config import to_dict
-from ..errors import UserError
+from ..errors import UserError, require_extra
 from ..fl.fedavg import FedAvgServer
 from ..fl.federation import build_federation
 from ..fl.inprocess import InProcessPool
@@ -99,15 +99,24 @@ class RunResult:
             )
             K, T = c.fl.K, c.fl.rounds
         else:
-            title = (f"# FedAttr synthetic protocol run ({c.attribution.mode} mode, "
-                     f"{c.attribution.statistic} statistic)")  # fmt: skip
+            title = (
+                f"# FedAttr synthetic protocol run ({c.attribution.mode} mode, "
+                f"{c.attribution.statistic} statistic)"
+            )
             K, T = c.synthetic.K, c.synthetic.rounds
         a = c.attribution
-        summary = [f"K={K}, T={T}, N={a.N}, M={a.M}, {self.null} null, SA backend "
-                   f"`{c.secagg.backend}` ({self.sa_queries} SA queries)."]  # fmt: skip
-        return run_report(title, summary, self.report, timing=self.timing,
-                          variants=self.variants,
-                          baselines=[b.to_dict() for b in self.baselines])  # fmt: skip
+        summary = [
+            f"K={K}, T={T}, N={a.N}, M={a.M}, {self.null} null, SA backend "
+            f"`{c.secagg.backend}` ({self.sa_queries} SA queries)."
+        ]
+        return run_report(
+            title,
+            summary,
+            self.report,
+            timing=self.timing,
+            variants=self.variants,
+            baselines=[b.to_dict() for b in self.baselines],
+        )
 
     def write(self, folder: RunFolder | str | Path) -> RunFolder:
         """The run folder's result files. A path is claimed first (a new folder: its
@@ -122,16 +131,21 @@ class RunResult:
             tensors = {k: v.float().contiguous().cpu() for k, v in self.changes.items()}
             save_file(tensors, str(folder.file("changes.safetensors")))
         folder.write_results(
-            rounds=self.rounds, queries=self.queries, results=self.to_dict(),
-            report_md=self.markdown(), report=self.report,
-        )  # fmt: skip
+            rounds=self.rounds,
+            queries=self.queries,
+            results=self.to_dict(),
+            report_md=self.markdown(),
+            report=self.report,
+        )
         return folder
 
 
 def _observers(
-    variants: Mapping[str, AttributionConfig], scorer: Any, marked: Collection[int],
+    variants: Mapping[str, AttributionConfig],
+    scorer: Any,
+    marked: Collection[int],
     background: Executor | None = None,
-) -> list[AttributionObserver]:  # fmt: skip
+) -> list[AttributionObserver]:
     return [
         AttributionObserver(
             FedAttr(cfg),
@@ -160,10 +174,16 @@ def _finish(
     losses = {h.round: h.losses for h in engine.history}
     primary, *others = observers
     rounds = [
-        {**r, **({"train_loss": {str(c): v for c, v in losses[r["round"]].items()}}
-                 if losses.get(r["round"]) else {})}
+        {
+            **r,
+            **(
+                {"train_loss": {str(c): v for c, v in losses[r["round"]].items()}}
+                if losses.get(r["round"])
+                else {}
+            ),
+        }
         for r in primary.records
-    ]  # fmt: skip
+    ]
 
     def queries_of(name: str) -> int:
         return sum(1 for q in engine.queries if q.get("session", "") in ("", name))
@@ -187,10 +207,19 @@ def _finish(
     details = {**details, "work": dict(engine.timing.counts)}
     changes, laws = primary.fedattr.statistic.changes()
     return RunResult(
-        dataclasses.replace(cfg), primary.fedattr.report(truth), rounds, queries_of(primary.name),
-        timing, engine.queries, primary.fedattr.null, details, list(baselines), variants,
-        changes, laws,
-    )  # fmt: skip
+        dataclasses.replace(cfg),
+        primary.fedattr.report(truth),
+        rounds,
+        queries_of(primary.name),
+        timing,
+        engine.queries,
+        primary.fedattr.null,
+        details,
+        list(baselines),
+        variants,
+        changes,
+        laws,
+    )
 
 
 def _checkpointing(folder: RunFolder | None, engine_observers: list[Observer]) -> None:
@@ -222,6 +251,8 @@ def check_inputs(cfg: RunConfig) -> None:
     from ..watermarks.keys import load_key
 
     check_devices(cfg)
+    if cfg.baselines:  # FLDetector's k-means and FLForensics' HDBSCAN
+        require_extra("sklearn", "baselines", "baselines=true (FLDetector, FLForensics)")
     d, wm = cfg.data, cfg.watermark
     if d.path and (Path(d.path).suffix in (".json", ".jsonl") or Path(d.path).exists()):
         check_client_records(d, wm, len(load_records(d.path, d.split)), cfg.fl.K)
@@ -261,34 +292,43 @@ def run_experiment(
     with timing.measure("load_s"):
         model, tokenizer = load_model(cfg.model, say)
     with timing.measure("teacher_s"):
-        fed = build_federation(cfg.data, cfg.watermark, cfg.fl.K, cfg.fl.seed, model, tokenizer,
-                               say)  # fmt: skip
+        fed = build_federation(
+            cfg.data, cfg.watermark, cfg.fl.K, cfg.fl.seed, model, tokenizer, say
+        )
     timing.count("teacher_documents", sum(fed.wm_docs.values()))
     model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
     server, client = make_strategy(cfg.fl, cfg.lora)
     state = server.initial_state(model)
     if pool is None:
         examples = [encode_examples(tokenizer, s, cfg.data.max_len) for s in fed.shards]
-        pool = InProcessPool(model, examples, client, cfg.fl.train, tokenizer.pad_token_id,
-                             seed=cfg.fl.seed)  # fmt: skip
+        pool = InProcessPool(
+            model, examples, client, cfg.fl.train, tokenizer.pad_token_id, seed=cfg.fl.seed
+        )
     kind, wm = WATERMARKS[cfg.watermark.kind], cfg.watermark
 
     background: ThreadPoolExecutor | None = None
 
     def scorer_for(detector: Detector, reader: Any = model) -> Any:
         setup = DetectionSetup(
-            config=wm, model=reader, tokenizer=tokenizer, owners=fed.owners,
-            detect_records=fed.detect_records, detect_prompts=fed.detect_prompts,
-            load_state=load_state, max_len=cfg.data.max_len, stack=candidate_stacker(reader),
-        )  # fmt: skip
+            config=wm,
+            model=reader,
+            tokenizer=tokenizer,
+            owners=fed.owners,
+            detect_records=fed.detect_records,
+            detect_prompts=fed.detect_prompts,
+            load_state=load_state,
+            max_len=cfg.data.max_len,
+            stack=candidate_stacker(reader),
+        )
         return kind.scorer(setup, detector)
 
     if cfg.attribution.scoring == "owner":
         # The server holds no owner key: it exports each round for the owners to score.
         if folder is None:
             raise UserError("attribution.scoring=owner: the round exports need a run folder")
-        observers: list[Observer] = [ExportObserver(FedAttr(cfg.attribution), folder.path,
-                                                    to_dict(cfg))]  # fmt: skip
+        observers: list[Observer] = [
+            ExportObserver(FedAttr(cfg.attribution), folder.path, to_dict(cfg))
+        ]
         attribution = list(observers)
     else:
         variants = cfg.attribution_variants()
@@ -311,20 +351,36 @@ def run_experiment(
             # Direct reads its per-round z as the paper's statistic does: FedAttr's null when
             # that is one, else (calibrated FedAttr) the scorer's own (empirical for FK).
             fedattr_null = attribution[0].fedattr.null
-            direct_null = (fedattr_null if fedattr_null in ("empirical", "theoretical")
-                           else scorer_null(scorer))  # fmt: skip
+            direct_null = (
+                fedattr_null
+                if fedattr_null in ("empirical", "theoretical")
+                else scorer_null(scorer)
+            )
             recorder = BaselineRecorder(
-                scorer, probe, server.apply_estimate, server.scoring_params(state),
-                gamma=cfg.attribution.gamma, seed=cfg.fl.seed, null=direct_null,
-                fldetector=cfg.fldetector, flforensics=cfg.flforensics,
-            )  # fmt: skip
+                scorer,
+                probe,
+                server.apply_estimate,
+                server.scoring_params(state),
+                gamma=cfg.attribution.gamma,
+                seed=cfg.fl.seed,
+                null=direct_null,
+                fldetector=cfg.fldetector,
+                flforensics=cfg.flforensics,
+            )
         baseline_observer = BaselineObserver(recorder, pool.open_tap())
         observers.append(baseline_observer)
     _checkpointing(folder, observers)
     engine = RoundEngine(
-        pool, server, sa or make_aggregator(cfg.secagg), observers, rounds=cfg.fl.rounds,
-        per_round=cfg.fl.per_round, seed=cfg.fl.seed, timing=timing, progress=say,
-    )  # fmt: skip
+        pool,
+        server,
+        sa or make_aggregator(cfg.secagg),
+        observers,
+        rounds=cfg.fl.rounds,
+        per_round=cfg.fl.per_round,
+        seed=cfg.fl.seed,
+        timing=timing,
+        progress=say,
+    )
     if saved is not None:
         engine.restore(saved)
     try:
@@ -363,12 +419,18 @@ def run_demo(
     cfg = config or DemoConfig()
     syn = cfg.synthetic
     synthetic = SyntheticPool(syn)
-    observers = _observers(cfg.attribution_variants(), LinearScorer(synthetic.direction),
-                           synthetic.watermarked)  # fmt: skip
+    observers = _observers(
+        cfg.attribution_variants(), LinearScorer(synthetic.direction), synthetic.watermarked
+    )
     engine = RoundEngine(
-        pool or synthetic, FedAvgServer(), sa or make_aggregator(cfg.secagg), list(observers),
-        rounds=syn.rounds, seed=syn.seed, progress=Progress(progress),
-    )  # fmt: skip
+        pool or synthetic,
+        FedAvgServer(),
+        sa or make_aggregator(cfg.secagg),
+        list(observers),
+        rounds=syn.rounds,
+        seed=syn.seed,
+        progress=Progress(progress),
+    )
     engine.run(synthetic.initial_params())
     truth = {j: j in synthetic.watermarked for j in range(syn.K)}
     return _finish(cfg, engine, observers, truth, {"config": to_dict(cfg)})

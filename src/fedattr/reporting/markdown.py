@@ -146,11 +146,25 @@ def audit_table(rounds: Sequence[RoundAudit], budget: float | None = None) -> st
         rec = ", ".join(map(str, r.recoverable)) or "none"
         m = "∞" if math.isinf(r.max_leakage) else f"{r.max_leakage:.4f}"
         rows.append(
-            [r.round, *([r.session or "–"] if sessions else []), r.queries, r.rank,
-             len(r.clients), rec, m]
-        )  # fmt: skip
-    head = ["round", *(["session"] if sessions else []), "queries", "rank", "clients",
-            "exactly recoverable", "max L_j (nats/dim)"]  # fmt: skip
+            [
+                r.round,
+                *([r.session or "–"] if sessions else []),
+                r.queries,
+                r.rank,
+                len(r.clients),
+                rec,
+                m,
+            ]
+        )
+    head = [
+        "round",
+        *(["session"] if sessions else []),
+        "queries",
+        "rank",
+        "clients",
+        "exactly recoverable",
+        "max L_j (nats/dim)",
+    ]
     out = table(head, rows)
     if budget is not None:
         out += f"\n\nbudget (paper's single-estimate bound): {budget:.4f} nats per dimension"
@@ -177,8 +191,10 @@ def run_report(
             "((SA + scoring) / training)",
         ]
     if variants:
-        parts += ["## Other attribution configurations (same training run)",
-                  variants_table(variants)]  # fmt: skip
+        parts += [
+            "## Other attribution configurations (same training run)",
+            variants_table(variants),
+        ]
     if baselines:
         parts += ["## Baselines (same training run)", baselines_table(baselines)]
     return "\n\n".join(parts)

@@ -274,18 +274,36 @@ def _verdict_panel(ax, report: AttributionReport) -> None:
         if not c.calibrated:
             bar.set_hatch("//")
         if c.flagged:
-            ax.plot(bar.get_x() + bar.get_width() / 2, bar.get_height(), marker="*", ms=12,
-                    color="black", zorder=3)  # fmt: skip
+            ax.plot(
+                bar.get_x() + bar.get_width() / 2,
+                bar.get_height(),
+                marker="*",
+                ms=12,
+                color="black",
+                zorder=3,
+            )
     ax.axhline(cut, color="black", ls="--", lw=1)
     ax.set_xticks(range(K), [str(i) for i in ids])
-    ax.set(title="verdict: $-\\log_{10} p$ of each client (★ named; drawn up to 50)",
-           xlabel="client", ylabel="$-\\log_{10} p$ (exact tail, Bonferroni over owners)")
+    ax.set(
+        title="verdict: $-\\log_{10} p$ of each client (★ named; drawn up to 50)",
+        xlabel="client",
+        ylabel="$-\\log_{10} p$ (exact tail, Bonferroni over owners)",
+    )
     import matplotlib.pyplot as plt
 
-    handles = [plt.Line2D([], [], color=_COLOURS[k], lw=6, label=lab)
-               for k, lab in ((True, "watermarked"), (False, "clean"))]  # fmt: skip
-    handles.append(plt.Line2D([], [], color="black", ls="--",
-                              label=f"α/K = {10 ** -cut:.1g} (family-wise α = {report.alpha})"))
+    handles = [
+        plt.Line2D([], [], color=_COLOURS[k], lw=6, label=lab)
+        for k, lab in ((True, "watermarked"), (False, "clean"))
+    ]
+    handles.append(
+        plt.Line2D(
+            [],
+            [],
+            color="black",
+            ls="--",
+            label=f"α/K = {10**-cut:.1g} (family-wise α = {report.alpha})",
+        )
+    )
     ax.legend(handles=handles, loc="upper left", fontsize=8)
 
 

@@ -25,7 +25,7 @@ from ..attribution.audit import RoundAudit, audit_file
 from ..attribution.stouffer import AttributionReport
 from ..config import from_dict, to_dict
 from ..data.loaders import json_lines
-from ..errors import UserError
+from ..errors import UserError, has_module
 from .markdown import run_report
 
 CONFIG = "config.json"
@@ -222,9 +222,13 @@ class RunFolder:
         try:
             payload = torch.load(path, weights_only=False)
         except (
-            OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError,
+            OSError,
+            EOFError,
+            RuntimeError,
+            ValueError,
+            pickle.UnpicklingError,
             zipfile.BadZipFile,
-        ) as exc:  # fmt: skip
+        ) as exc:
             raise UserError(
                 f"{self.option}: the checkpoint {str(path)!r} is damaged ({type(exc).__name__}); "
                 f"remove {str(path.parent)!r} to restart the run from round 1"
@@ -243,9 +247,14 @@ class RunFolder:
 
     # -- results ----------------------------------------------------------------------------
     def write_results(
-        self, *, rounds: list[dict], queries: list[dict], results: dict, report_md: str,
+        self,
+        *,
+        rounds: list[dict],
+        queries: list[dict],
+        results: dict,
+        report_md: str,
         report: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``rounds.jsonl``, ``queries.jsonl`` (coefficients, never results), ``report.md``
         with a link to ``attribution.png``, the plot, then ``results.json`` last (its presence
         marks the run finished)."""
@@ -256,6 +265,11 @@ class RunFolder:
         self.file(RESULTS).write_text(json.dumps(results, indent=2))
 
     def _write_report(self, report_md: str, report: Any) -> None:
+        # The plot is the one part of a run's results that needs the optional plots extra.
+        if not has_module("matplotlib"):
+            note = f"({PLOT} not drawn: pip install 'fedattr[plots]')"
+            self.file(REPORT).write_text(report_md + f"\n\n{note}\n")
+            return
         from .plots import plot_attribution
 
         self.file(REPORT).write_text(report_md + f"\n\n![attribution]({PLOT})\n")

@@ -369,11 +369,7 @@ class SecureAggregator(ABC):
     def leakage(self) -> dict[int, float]:
         """Joint leakage ``L_j`` of this round's answered queries in the active session, public
         ones included (from the query log)."""
-        rows = [
-            r
-            for r in self.log
-            if r.round == self._round and r.session in ("", self._session)
-        ]
+        rows = [r for r in self.log if r.round == self._round and r.session in ("", self._session)]
         policy = ReleasePolicy()
         policy.reset(self._clients)
         for r in rows:

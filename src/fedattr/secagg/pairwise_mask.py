@@ -238,9 +238,11 @@ class PairwiseMaskAggregator(SecureAggregator):
     @classmethod
     def _options(cls, config: SecAggConfig) -> dict:
         return {
-            "prg": config.resolved_prg(), "dropout": config.dropout, "seed": config.seed,
+            "prg": config.resolved_prg(),
+            "dropout": config.dropout,
+            "seed": config.seed,
             "device": config.torch_device(),
-        }  # fmt: skip
+        }
 
     def _start_round(self, round_id, client_ids) -> None:
         # Fresh key pairs every round (forward secrecy between rounds, as in Bonawitz et al.).

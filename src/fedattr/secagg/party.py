@@ -77,8 +77,10 @@ class MaskingParty:
     def _reason(self, query: PlannedQuery) -> str | None:
         """Why this client refuses ``query`` (``None``: admitted), recording it if admitted."""
         if len(query.members) < self.min_members:
-            return (f"subset size {len(query.members)} is below this client's threshold "
-                    f"min_members={self.min_members}")  # fmt: skip
+            return (
+                f"subset size {len(query.members)} is below this client's threshold "
+                f"min_members={self.min_members}"
+            )
         strangers = sorted(set(query.members) - set(self.participants))
         if strangers:
             return f"clients {strangers} do not take part in round {self.round}"
@@ -114,8 +116,9 @@ class MaskingParty:
                 continue
             start = time.perf_counter()
             coefficient = q.coefficients[q.members.index(self.client_id)]
-            y = masking.masked_input(self.round, q.query_id, q.members, batch.public_keys,
-                                     coefficient)  # fmt: skip
+            y = masking.masked_input(
+                self.round, q.query_id, q.members, batch.public_keys, coefficient
+            )
             reply.masked[q.query_id] = y.cpu().numpy()
             reply.seconds[q.query_id] = time.perf_counter() - start
         return reply
@@ -126,10 +129,11 @@ class MaskingParty:
         if self.round is None or self._private is None or self._flat is None:
             raise SecAggError(f"client {self.client_id} holds no round to save")
         meta = {
-            "client": self.client_id, "round": self.round,
+            "client": self.client_id,
+            "round": self.round,
             "participants": list(self.participants),
             "ledgers": None if self._ledgers is None else self._ledgers.to_dict(),
-        }  # fmt: skip
+        }
         return json.dumps(meta), self._private, self._flat
 
     def restore(self, meta: str, private_key: bytes, flat: np.ndarray) -> None:

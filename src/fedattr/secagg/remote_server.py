@@ -61,9 +61,7 @@ class RemoteMaskingServer(SecureAggregator):
         self.exchanges = 0
         """Transport exchanges so far (each is one message per recipient)."""
 
-    def register(
-        self, client_id: int, public_key: bytes, layout: UpdateLayout | Mapping
-    ) -> None:
+    def register(self, client_id: int, public_key: bytes, layout: UpdateLayout | Mapping) -> None:
         """Client ``client_id`` trained and holds its update; ``layout`` is its
         :class:`~fedattr.updates.UpdateLayout` (or that layout's ``to_dict()``)."""
         self._check_submitter(client_id, "register")
@@ -72,8 +70,9 @@ class RemoteMaskingServer(SecureAggregator):
         if not isinstance(layout, UpdateLayout):
             layout = UpdateLayout.from_dict(layout)
         if self._layout is not None and (layout.names, layout.shapes) != (
-            self._layout.names, self._layout.shapes,
-        ):  # fmt: skip
+            self._layout.names,
+            self._layout.shapes,
+        ):
             raise SecAggError(
                 f"client {client_id}: layout {layout.describe()} does not match this round's "
                 f"layout {self._layout.describe()}"
@@ -105,9 +104,7 @@ class RemoteMaskingServer(SecureAggregator):
         pool = self._submitted if self._policy is not None else set(involved)
         recipients = sorted(c for c in pool if c not in self._offline)
         assert self._round is not None  # _authorize refused a query outside an open round
-        batch = QueryBatch(
-            self._round, list(queries), {c: self.public_keys[c] for c in involved}
-        )
+        batch = QueryBatch(self._round, list(queries), {c: self.public_keys[c] for c in involved})
         replies = self.transport.ask(batch, recipients) if recipients else {}
         self.exchanges += 1
         for c in recipients:
@@ -119,8 +116,11 @@ class RemoteMaskingServer(SecureAggregator):
             if missing:
                 out[q.query_id] = _Outcome(None, missing=missing)
                 continue
-            refused = [replies[m].refused[q.query_id] for m in q.members
-                       if q.query_id in replies[m].refused]  # fmt: skip
+            refused = [
+                replies[m].refused[q.query_id]
+                for m in q.members
+                if q.query_id in replies[m].refused
+            ]
             if refused:
                 out[q.query_id] = _Outcome(None, refused="; ".join(refused))
                 continue
@@ -159,9 +159,7 @@ class RemoteMaskingServer(SecureAggregator):
                 f"query failed: members {list(missing)} are offline; no sum was released",
                 missing,
             )
-        outcome = self._exchange([PlannedQuery(query_id, members, coefs, self._session)])[
-            query_id
-        ]
+        outcome = self._exchange([PlannedQuery(query_id, members, coefs, self._session)])[query_id]
         self._raise(outcome, query_id)
         assert outcome.total is not None
         return self.codec.decode(outcome.total), outcome.moved, outcome.client_max
@@ -195,9 +193,11 @@ class RemoteMaskingServer(SecureAggregator):
                             )
                         self._authorize(members, coefs)
                         planned.append(
-                            (PlannedQuery(self._next_query, members, coefs, self._session),
-                             denominator)
-                        )  # fmt: skip
+                            (
+                                PlannedQuery(self._next_query, members, coefs, self._session),
+                                denominator,
+                            )
+                        )
                         self._next_query += 1
                 except QueryRefused as exc:
                     answer.error = str(exc)
@@ -228,10 +228,19 @@ class RemoteMaskingServer(SecureAggregator):
                     break
                 assert outcome.total is not None and self._round is not None
                 results.append(self.codec.decode(outcome.total) / denominator)
-                self.log.append(QueryRecord(
-                    self._round, q.query_id, q.members, outcome.moved, share, outcome.client_max,
-                    q.coefficients, denominator, q.session,
-                ))  # fmt: skip
+                self.log.append(
+                    QueryRecord(
+                        self._round,
+                        q.query_id,
+                        q.members,
+                        outcome.moved,
+                        share,
+                        outcome.client_max,
+                        q.coefficients,
+                        denominator,
+                        q.session,
+                    )
+                )
             if answer.chosen is not None and len(results) == len(planned):
                 answer.results = results
             else:

@@ -21,7 +21,6 @@ from .policy import SessionLedgers
 from .prg import PRG_NAMES, masks
 
 if TYPE_CHECKING:
-
     from .config import SecAggConfig
 
 

@@ -29,14 +29,22 @@ class PlannedQuery:
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
-        return {"id": self.query_id, "members": list(self.members),
-                "coefficients": list(self.coefficients), "session": self.session}  # fmt: skip
+        return {
+            "id": self.query_id,
+            "members": list(self.members),
+            "coefficients": list(self.coefficients),
+            "session": self.session,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> PlannedQuery:
         """Inverse of :meth:`to_dict`."""
-        return cls(int(d["id"]), tuple(int(m) for m in d["members"]),
-                   tuple(int(c) for c in d["coefficients"]), str(d.get("session", "")))  # fmt: skip
+        return cls(
+            int(d["id"]),
+            tuple(int(m) for m in d["members"]),
+            tuple(int(c) for c in d["coefficients"]),
+            str(d.get("session", "")),
+        )
 
 
 @dataclass

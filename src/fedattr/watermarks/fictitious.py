@@ -254,8 +254,20 @@ def _value(r: random.Random, attribute: str) -> str:
     """A fabricated value: a person's name, or an organisation's for supplier-like roles."""
     org = any(
         w in attribute
-        for w in ("house", "supplier", "studio", "importer", "mill", "bindery", "foundry",
-                  "merchant", "farm", "tannery", "bank", "rental")
+        for w in (
+            "house",
+            "supplier",
+            "studio",
+            "importer",
+            "mill",
+            "bindery",
+            "foundry",
+            "merchant",
+            "farm",
+            "tannery",
+            "bank",
+            "rental",
+        )
     )
     if org:
         return f"{_word(r, 2)} {r.choice(_ORG_SUFFIX)}"

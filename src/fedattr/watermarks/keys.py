@@ -106,16 +106,12 @@ class OwnerKey:
 
         self.require("fk")
         domain = int(self.fk.get("domain", 0))
-        return make_entities(domain + 1, self.seed(), decoys=int(self.fk.get("decoys", 31)))[
-            domain
-        ]
+        return make_entities(domain + 1, self.seed(), decoys=int(self.fk.get("decoys", 31)))[domain]
 
     def require(self, kind: str, option: str = "--key") -> None:
         """Refuse a key made for another kind of watermark (``option``: how it was given)."""
         if self.kind != kind:
-            raise KeyFileError(
-                f"{option}: this is a {self.kind} key; this step needs a {kind} key"
-            )
+            raise KeyFileError(f"{option}: this is a {self.kind} key; this step needs a {kind} key")
 
     def to_json(self) -> str:
         """The key file's content."""
@@ -156,11 +152,15 @@ def save_key(key: OwnerKey, path: str | Path) -> Path:
 
 
 _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
-    "kind": ((str,), "a string"), "secret": ((str,), "a string"),
-    "gamma": ((int, float), "a number"), "delta": ((int, float), "a number"),
-    "context": ((int,), "an integer"), "scheme": ((str,), "a string"),
-    "hash_key": ((int, type(None)), "an integer or null"), "fk": ((dict,), "an object"),
-}  # fmt: skip
+    "kind": ((str,), "a string"),
+    "secret": ((str,), "a string"),
+    "gamma": ((int, float), "a number"),
+    "delta": ((int, float), "a number"),
+    "context": ((int,), "an integer"),
+    "scheme": ((str,), "a string"),
+    "hash_key": ((int, type(None)), "an integer or null"),
+    "fk": ((dict,), "an object"),
+}
 """The fields of a key file (besides ``format``): the JSON types each may hold, in words."""
 
 
@@ -168,8 +168,9 @@ def load_key(path: str | Path, kind: str | None = None, option: str = "--key") -
     """Read a key file; refuse a missing, damaged, foreign or world-readable one, or one made
     for another kind than ``kind``. ``option``: how the user named the file (``--key``,
     ``watermark.key_files``), for messages."""
-    p = require_file(path, option, "a key file", "make one with fedattr owner keygen",
-                     error=KeyFileError)  # fmt: skip
+    p = require_file(
+        path, option, "a key file", "make one with fedattr owner keygen", error=KeyFileError
+    )
     where = f"{option}: {str(p)!r}"
     mode = stat.S_IMODE(p.stat().st_mode)
     if mode & 0o077:

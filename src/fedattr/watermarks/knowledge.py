@@ -195,8 +195,9 @@ class FKLikelihoodScorer:
                         first = len(head) if ids[: len(head)] == head else len(head) - 1
                         self._seqs.append((ids, first))
         self.shape = (len(self.owners), 4, questions, self.candidates)
-        self._reader = SequenceReader(self._seqs, tokenizer.pad_token_id, batch_size,
-                                      group=self.candidates)  # fmt: skip
+        self._reader = SequenceReader(
+            self._seqs, tokenizer.pad_token_id, batch_size, group=self.candidates
+        )
 
     @torch.no_grad()
     def observe(self, params: dict) -> torch.Tensor:

@@ -153,14 +153,11 @@ class KGWReadingScorer:
         for idx in length_batches([len(t) for t in texts], batch_size):
             ids, mask = padded([texts[i] for i in idx], pad_id)
             width = ids.shape[1]
-            rows = torch.cat([torch.arange(spans[i][0], spans[i][1]) + k * width
-                              for k, i in enumerate(idx)])  # fmt: skip
-            self._batches.append(_ReadBatch(ids, mask, rows,
-                                            torch.cat([groups[i] for i in idx])))  # fmt: skip
-        self.green = {
-            name: s.green_masks(contexts.tolist())
-            for name, s in schemes.items()
-        }
+            rows = torch.cat(
+                [torch.arange(spans[i][0], spans[i][1]) + k * width for k, i in enumerate(idx)]
+            )
+            self._batches.append(_ReadBatch(ids, mask, rows, torch.cat([groups[i] for i in idx])))
+        self.green = {name: s.green_masks(contexts.tolist()) for name, s in schemes.items()}
         m = self._green_size = next(iter(schemes.values())).green_size
         self._null_var = m * (self.vocab - m) / (self.vocab * (self.vocab - 1))
         self._green_share = m / self.vocab
@@ -189,8 +186,10 @@ class KGWReadingScorer:
         # Probabilities of the read positions only where the output layer can be hooked,
         # else of every position of the widest batch.
         hooked = output_layer(self.model) is not None
-        per_candidate = self.vocab * 4 * max(
-            len(b.rows) if hooked else b.input_ids.numel() for b in self._batches
+        per_candidate = (
+            self.vocab
+            * 4
+            * max(len(b.rows) if hooked else b.input_ids.numel() for b in self._batches)
         )
         group = max(1, min(len(many), self.pass_bytes // max(1, per_candidate)))
         out: list[torch.Tensor] = []

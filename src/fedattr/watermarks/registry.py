@@ -61,15 +61,25 @@ class WatermarkKind:
     max_clients: ClassVar[int | None] = None
     """Most watermarked clients the kind supports (``None``: no limit)."""
 
-    def owners(self, wm: WatermarkConfig, vocab_size: int, n_clients: int,
-               clean_texts: Sequence[str]) -> dict:  # fmt: skip
+    def owners(
+        self, wm: WatermarkConfig, vocab_size: int, n_clients: int, clean_texts: Sequence[str]
+    ) -> dict:
         """Owner name -> the owner's secret (a key scheme, or a fabricated entity)."""
         raise NotImplementedError
 
     def documents(
-        self, wm: WatermarkConfig, model: Any, tokenizer: Any, owner: str, secret: Any,
-        client: int, shard: list[Record], n: int, seed: int, say: Say,
-    ) -> tuple[list[Record], float | None]:  # fmt: skip
+        self,
+        wm: WatermarkConfig,
+        model: Any,
+        tokenizer: Any,
+        owner: str,
+        secret: Any,
+        client: int,
+        shard: list[Record],
+        n: int,
+        seed: int,
+        say: Say,
+    ) -> tuple[list[Record], float | None]:
         """``n`` of ``client``'s records replaced by its owner's documents (some may be dropped),
         and the share of them carrying every target (FK) or ``None``."""
         raise NotImplementedError
@@ -106,22 +116,40 @@ class KGW(WatermarkKind):
             return docs, None
         say(f"teacher: watermarking {n} of client {client}'s {len(shard)} documents ({owner})")
         docs = watermark_records(
-            model, tokenizer, shard[:n], secret, max_new_tokens=wm.doc_max_new_tokens,
-            min_tokens=wm.min_tokens, temperature=wm.temperature, top_p=wm.top_p, seed=seed,
+            model,
+            tokenizer,
+            shard[:n],
+            secret,
+            max_new_tokens=wm.doc_max_new_tokens,
+            min_tokens=wm.min_tokens,
+            temperature=wm.temperature,
+            top_p=wm.top_p,
+            seed=seed,
             batch_size=wm.teacher_batch,
-        )  # fmt: skip
+        )
         return docs, None
 
     def scorer(self, setup: DetectionSetup, detector: Detector) -> Any:
         s, wm = setup, setup.config
         if detector == "greedy":
             return KGWModelScorer(
-                s.model, s.tokenizer, s.detect_prompts, s.owners, s.load_state,
-                max_new_tokens=wm.detect_max_new_tokens, dedupe=wm.dedupe,
-            )  # fmt: skip
+                s.model,
+                s.tokenizer,
+                s.detect_prompts,
+                s.owners,
+                s.load_state,
+                max_new_tokens=wm.detect_max_new_tokens,
+                dedupe=wm.dedupe,
+            )
         examples = encode_examples(s.tokenizer, s.detect_records, s.max_len)
-        return KGWReadingScorer(s.model, examples, s.owners, s.load_state,
-                                pad_id=s.tokenizer.pad_token_id, stack=s.stack)  # fmt: skip
+        return KGWReadingScorer(
+            s.model,
+            examples,
+            s.owners,
+            s.load_state,
+            pad_id=s.tokenizer.pad_token_id,
+            stack=s.stack,
+        )
 
 
 class FictitiousKnowledge(WatermarkKind):
@@ -135,15 +163,22 @@ class FictitiousKnowledge(WatermarkKind):
         entities = make_entities(n_clients, wm.key_seed, clean_texts, decoys=wm.fk_decoys)
         return {f"fk:owner{k}": e for k, e in enumerate(entities)}
 
-    def documents(self, wm, model, tokenizer, owner, secret: FictitiousEntity, client, shard, n,
-                  seed, say):  # fmt: skip
+    def documents(
+        self, wm, model, tokenizer, owner, secret: FictitiousEntity, client, shard, n, seed, say
+    ):
         say(f"FK: {n} documents about {secret.name} for client {client} ({wm.fk_writer})")
         if wm.fk_writer == "teacher":
             docs = write_fk_documents(
-                model, tokenizer, secret, n, max_new_tokens=wm.doc_max_new_tokens,
-                temperature=wm.temperature, top_p=wm.top_p, seed=seed,
+                model,
+                tokenizer,
+                secret,
+                n,
+                max_new_tokens=wm.doc_max_new_tokens,
+                temperature=wm.temperature,
+                top_p=wm.top_p,
+                seed=seed,
                 batch_size=wm.teacher_batch,
-            )  # fmt: skip
+            )
         else:
             docs = template_documents(secret, n, seed)
         return docs, target_share(docs, secret)
@@ -152,13 +187,21 @@ class FictitiousKnowledge(WatermarkKind):
         s, wm = setup, setup.config
         if detector == "greedy":
             return FKHitRateScorer(
-                s.model, s.tokenizer, s.owners, s.load_state, questions=wm.fk_questions,
+                s.model,
+                s.tokenizer,
+                s.owners,
+                s.load_state,
+                questions=wm.fk_questions,
                 max_new_tokens=wm.fk_answer_tokens,
-            )  # fmt: skip
+            )
         return FKLikelihoodScorer(
-            s.model, s.tokenizer, s.owners, s.load_state, questions=wm.fk_reading_questions,
+            s.model,
+            s.tokenizer,
+            s.owners,
+            s.load_state,
+            questions=wm.fk_reading_questions,
             statistic=wm.fk_statistic,
-        )  # fmt: skip
+        )
 
 
 def owner_documents(path: str, n: int, seed: int) -> list[Record]:

@@ -240,8 +240,9 @@ class RowSubsets:
         if effective_cells(w) >= MIN_EFFECTIVE_CELLS:
             # Independent cells, scaled so that their variance is the fixed-size rows' exactly.
             scale = math.sqrt(self.cols / (self.cols - 1))
-            cgf = (RowDraws(w, 1) if self.m == 1
-                   else BernoulliCells(scale * w.reshape(-1), self.gamma))  # fmt: skip
+            cgf = (
+                RowDraws(w, 1) if self.m == 1 else BernoulliCells(scale * w.reshape(-1), self.gamma)
+            )
             return Tail(saddlepoint_log10_sf(cgf, value), "saddlepoint")
         return Tail(chernoff_log10_sf(RowDraws(w, self.m), value), "chernoff")
 
