@@ -42,6 +42,7 @@ def _null_p(seeds, r):
     return np.array(cal), np.array(paper)
 
 
+@pytest.mark.slow
 def test_paper_statistic_fails_and_calibrated_holds_its_level_on_the_realistic_bed():
     cal, paper = _null_p(range(24), r=0)
     assert len(cal) == 240
@@ -168,6 +169,7 @@ def test_calibrated_needs_a_detector_with_random_keys():
     assert LinearScorer  # the synthetic scorer has key statistics (used above)
 
 
+@pytest.mark.slow
 def test_calibration_command_writes_its_files_and_resumes(tmp_path, capsys):
     out = tmp_path / "cal"
     args = [
@@ -227,6 +229,7 @@ def test_token_centring_removes_drift_no_key_sees_and_keeps_the_null_exact():
     assert share(plain[0]["p"]) > 0.5 > 0.1 > share(c)
 
 
+@pytest.mark.slow
 def test_calibration_in_parallel_processes_gives_the_same_runs_and_family_wise_counts(tmp_path):
     common = [
         "experiment",

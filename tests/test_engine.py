@@ -110,6 +110,8 @@ def test_estimates_are_moved_to_the_device_of_the_scoring_parameters():
 
 def test_observe_many_sees_every_candidate_of_the_round_at_once():
     class Batched(_DeviceScorer):
+        batched = True
+
         def __init__(self):
             super().__init__("cpu")
             self.batches = []
@@ -134,6 +136,13 @@ def test_observe_many_sees_every_candidate_of_the_round_at_once():
     assert scorer.batches == [10]
     # Unbiased linear estimate of each client's own coordinate sum (2j), up to masking noise.
     assert {r.target for r in record.targets} == set(range(10))
+    # A scorer that says it would only loop (batched = False) is fed one candidate at a time.
+    lazy = Batched()
+    lazy.batched = False
+    again = FedAttr(AttributionConfig(statistic="paper")).attribute_round(
+        1, sa, {"a": torch.zeros(2)}, lazy
+    )
+    assert lazy.batches == [] and [r.z for r in again.targets] == [r.z for r in record.targets]
 
 
 def test_all_queries_of_a_round_go_to_sa_in_one_batch():

@@ -309,6 +309,7 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     assert "## Baselines" in folder.file("report.md").read_text()
 
 
+@pytest.mark.slow
 def test_experiment_main_and_mechanism_commands(tiny_cache, tmp_path, capsys):
     sets = _small(tiny_cache, "watermark.fk_decoys=7", "watermark.fk_questions=2")
     args = [x for s in sets for x in ("--set", s)]

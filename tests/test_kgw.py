@@ -112,6 +112,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
+@pytest.mark.slow
 def test_green_masks_in_a_forked_child_do_not_wait_on_the_parents_threads():
     # In a fresh interpreter: a fork of the test process would copy the suite's threads and
     # state, and a child that failed there went on running the rest of the suite.

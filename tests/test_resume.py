@@ -3,6 +3,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import small_overrides as _small
@@ -13,6 +14,7 @@ def _args(sets):
     return [a for s in sets for a in ("--set", s)]
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_results(tiny_cache, tmp_path, capsys):
     sets = _small(tiny_cache, "fl.rounds=4", "attribution.M=3")
     killed = tmp_path / "killed"

@@ -196,6 +196,7 @@ def test_concurrent_members_give_the_same_sum_and_reuse_buffers():
     assert np.allclose(answers[0][1], (ups[1] + ups[2] + ups[5]).numpy(), atol=1e-8, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_torch_chacha20_is_bit_exact_with_openssl():
     """The kernel a GPU runs by default is the torch.compile'd one; compiled here for the CPU
     (inductor, ~40 s on 2 cores), it must give OpenSSL's keystream too, for every length."""

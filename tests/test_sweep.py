@@ -37,6 +37,7 @@ def test_grid_parsing_and_grouping():
         SweepSpec(grid, preset="huge")
 
 
+@pytest.mark.slow
 def test_micro_sweep_trains_once_per_training_point_and_resumes(tiny_cache, tmp_path, capsys):
     out = tmp_path / "sweep"
     args = [
@@ -102,6 +103,7 @@ def test_named_tables_resolve_and_their_extra_columns():
         table_spec("table-9", [0])
 
 
+@pytest.mark.slow
 def test_micro_named_table(tiny_cache, tmp_path, capsys):
     out = tmp_path / "queries"
     args = ["experiment", "table", "queries", "--out", str(out)]
@@ -140,6 +142,7 @@ def test_overhead_layout_reports_work_per_stage(tiny_cache, tmp_path):
     assert "| per query ms |" in text and "% of training" in text and "| 17 |" in text
 
 
+@pytest.mark.slow
 def test_a_sweep_killed_mid_run_resumes_to_the_same_table(tiny_cache, tmp_path, monkeypatch):
     from fedattr.experiments import main as main_module
 
