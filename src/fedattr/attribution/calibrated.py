@@ -51,6 +51,7 @@ from scipy.stats import norm
 
 from ..errors import UserError
 from ..watermarks.tail import KeyLaw, RowSubsets, law_from_dict
+from .config import AttributionConfig
 from .design import QueryDesign
 from .stouffer import AttributionReport, ClientAttribution
 
@@ -198,6 +199,19 @@ class CalibratedNull:
         self.parts: dict[str, str] = {}  # owner -> part
         self.valid: dict[str, bool] = {}  # owner -> is its key exchangeable with a random one
         self.cross_talk: set[int] = set()  # clients with a round whose cross-talk was kept
+
+    @classmethod
+    def of(cls, config: AttributionConfig) -> CalibratedNull:
+        """The sums and verdicts ``config`` (the ``attribution`` section) asks for."""
+        c = config
+        return cls(
+            c.alpha,
+            c.decorrelate,
+            c.null_keys,
+            c.seed,
+            c.name_uncalibrated,
+            c.token_centring,
+        )
 
     def decorrelates(
         self, participants: Sequence[int], targets: Sequence[int], designs: Sequence[QueryDesign]

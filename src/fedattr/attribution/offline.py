@@ -39,14 +39,7 @@ def attribute_run(run_dir: str | Path) -> tuple[AttributionReport, list[str]]:
             "attribution.scoring=owner exports them)"
         )
     att = from_dict(AttributionConfig, read_run(folders[0]).get("attribution", {}))
-    null = CalibratedNull(
-        att.alpha,
-        att.decorrelate,
-        att.null_keys,
-        att.seed,
-        att.name_uncalibrated,
-        att.token_centring,
-    )
+    null = CalibratedNull.of(att)
     owners: list[str] | None = None
     for folder in folders:
         manifest = read_manifest(folder)

@@ -198,10 +198,7 @@ class CalibratedStatistic(Statistic):
 
     def __init__(self, config: AttributionConfig) -> None:
         super().__init__(config)
-        c = config
-        self.calibrated = CalibratedNull(
-            c.alpha, c.decorrelate, c.null_keys, c.seed, c.name_uncalibrated, c.token_centring
-        )
+        self.calibrated = CalibratedNull.of(config)
         """The sums and the verdicts."""
 
     @property
