@@ -138,3 +138,28 @@ def test_edges_of_the_support_are_valid_and_do_not_crash():
     assert tail.p >= 0.5**rows
     # No change at all: p = 1.
     assert RowSubsets(4, 16).tail(torch.zeros(3, 16), 0.0).p == 1.0
+
+
+def test_small_cells_by_their_cumulant_series_give_the_direct_cgf_and_tail():
+    from fedattr.watermarks.tail import BernoulliCells, chernoff_log10_sf, saddlepoint_log10_sf
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal(50_000) * rng.random(50_000) ** 4 * 0.01
+    w[:40] = rng.standard_normal(40) * 0.3  # a few large cells, read directly
+    w -= w.mean()
+    for gamma in (0.1, 0.25, 0.5):
+        cgf = BernoulliCells(w, gamma)
+        assert cgf.n_small > 3 * cgf.large.size > 0
+        for s in (-40.0, -2.0, 0.3, 5.0, 30.0, 49.9, 60.0):  # 60: beyond the series' range
+            series, direct = np.array(cgf(s)), np.array(cgf._cells(cgf.w, s))
+            assert series == pytest.approx(direct, rel=1e-10, abs=1e-9)
+
+    class Direct(BernoulliCells):
+        def __call__(self, s):
+            return self._cells(self.w, s)
+
+    u = w / np.sqrt(0.25 * 0.75 * np.sum(w * w))  # unit null variance
+    for t in (2.0, 5.0, 9.0):
+        for tail in (saddlepoint_log10_sf, chernoff_log10_sf):
+            a, b = tail(BernoulliCells(u, 0.25), t), tail(Direct(u, 0.25), t)
+            assert a == pytest.approx(b, rel=1e-9)
