@@ -248,37 +248,10 @@ def test_detect_command_on_a_lora_adapter(micro, tmp_path, capsys):
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["texts"] == 8 and 0 < out["reading"]["p"] <= 1 and "z" in out["greedy"]
-    assert (
-        main(
-            [
-                "owner",
-                "detect",
-                "--key",
-                str(key_file),
-                "--model",
-                str(path),
-                "--detector",
-                "reading",
-            ]
-        )
-        == 2
-    )
+    detect = ["owner", "detect", "--key", str(key_file), "--model", str(path)]
+    assert main([*detect, "--detector", "reading"]) == 2
     assert "--reference: the reading test needs" in capsys.readouterr().err
-    assert (
-        main(
-            [
-                "owner",
-                "detect",
-                "--key",
-                str(key_file),
-                "--model",
-                str(path),
-                "--lora",
-                str(tmp_path / "nothing"),
-            ]
-        )
-        == 2
-    )
+    assert main([*detect, "--lora", str(tmp_path / "nothing")]) == 2
     assert "--lora: could not load an adapter" in capsys.readouterr().err
 
 

@@ -188,8 +188,8 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
-def read_round_tensors(folder: Path, manifest: Mapping) -> tuple[dict, list[dict], dict]:
-    """The reference, each target's estimate (in the manifest's target order) and the SA mean."""
+def read_round_tensors(folder: Path, manifest: Mapping) -> tuple[dict, list[dict]]:
+    """The reference and each target's estimate (in the manifest's target order)."""
     from safetensors.torch import load_file
 
     reference = load_file(str(folder / "reference.safetensors"))
@@ -198,7 +198,14 @@ def read_round_tensors(folder: Path, manifest: Mapping) -> tuple[dict, list[dict
     for target in manifest["targets"]:
         prefix = f"{target}/"
         updates.append({k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)})
-    return reference, updates, load_file(str(folder / "center.safetensors"))
+    return reference, updates
+
+
+def read_center(folder: Path) -> dict:
+    """The round's SA mean (read only where a round's cross-talk is kept)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "center.safetensors"))
 
 
 def write_scores(

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..attribution.round_folder import (
+    read_center,
     read_manifest,
     read_round_tensors,
     read_run,
@@ -86,7 +87,7 @@ class OwnerScorer:
 
         folder = Path(folder)
         manifest = manifest if manifest is not None else read_manifest(folder)
-        reference, updates, center = read_round_tensors(folder, manifest)
+        reference, updates = read_round_tensors(folder, manifest)
         scorer = self.scorer
         # The SA mean's change serves only a round whose cross-talk is not undone (decided from
         # the same manifest and run configuration): otherwise its model is not read, as the
@@ -100,7 +101,7 @@ class OwnerScorer:
         ref_obs = scorer.observe(reference)
         observed = list(observe_all(scorer, (self.apply(reference, u) for u in updates)))
         if needs_center:
-            observed.append(scorer.observe(self.apply(reference, center)))
+            observed.append(scorer.observe(self.apply(reference, read_center(folder))))
         changes = [scorer.change(ref_obs, o) for o in observed]
         middle = changes.pop() if needs_center else None
         laws = scorer.key_laws()
