@@ -286,3 +286,80 @@ def test_llm_calibration_runs_draw_their_own_owner_keys():
     a, b = spec.run_config(0, 0), spec.run_config(0, 1)
     assert a.watermark.key_seed != b.watermark.key_seed
     assert (a.fl.seed, a.data.seed) != (b.fl.seed, b.data.seed)
+
+
+def test_report_reads_every_client_tail_in_threads_with_the_same_verdicts():
+    """Clients' tails run in torch's thread count of threads: the verdicts do not depend on
+    it (a vocabulary-sized change takes seconds a client)."""
+    rng = np.random.default_rng(4)
+    dim = 40
+    key = torch.tensor(rng.normal(size=dim))
+    scorer = LinearScorer(key / key.norm())
+    laws = scorer.key_laws()
+    null = CalibratedNull(alpha=0.05, null_keys=49)
+    for cid in range(6):
+        W = torch.tensor(rng.normal(size=dim)) + (6.0 if cid < 2 else 0.0) * scorer.direction
+        null.add(
+            1,
+            cid,
+            {DEFAULT_STATISTIC: W},
+            scorer.owner_values(DEFAULT_STATISTIC, W),
+            laws,
+            {DEFAULT_STATISTIC: DEFAULT_STATISTIC},
+        )
+    before = torch.get_num_threads()
+    try:
+        reports = []
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            rep = null.report({c: c < 2 for c in range(6)})
+            reports.append([(c.id, c.log10_p, c.tail, c.flagged) for c in rep.clients])
+    finally:
+        torch.set_num_threads(before)
+    assert reports[0] == reports[1]
+    assert [c[0] for c in reports[0]] == list(range(6))
+    assert [c[3] for c in reports[0]] == [True, True, False, False, False, False]
+
+
+def test_the_rank_check_draws_its_keys_where_the_changes_were_computed(monkeypatch):
+    """The sums stay on the CPU (checkpoints), but the rank check's random keys are drawn on
+    the device the changes came from (a GPU for an LLM: 200 keys over vocabulary-sized changes
+    take minutes on a CPU). Here the device is pretended (``meta``) and the draw recorded."""
+    from fedattr.watermarks.tail import RowSubsets
+
+    law = RowSubsets(4, 16)
+    null = CalibratedNull(alpha=0.05, null_keys=9)
+    for cid in range(3):
+        W = law.centre(torch.randn(5, 16, dtype=torch.float64))
+        null.add(1, cid, {"probes": W}, {"owner": 0.1 * cid}, {"probes": law}, {"owner": "probes"})
+    assert null.device == torch.device("cpu") and null.W[0]["probes"].device.type == "cpu"
+    seen = []
+
+    def record(self, Ws, n, seed):
+        seen.append({(W.device.type, W.dtype) for W in Ws})
+        return np.zeros((len(Ws), n))
+
+    monkeypatch.setattr(RowSubsets, "random_values", record)
+    null.report()
+    null.device = torch.device("meta")
+    null.report()
+    assert seen == [{("cpu", torch.float64)}, {("meta", torch.float32)}]
+
+
+def test_cross_talk_is_undone_on_the_device_of_the_changes(monkeypatch):
+    """The changes of an LLM round live on its GPU: undoing cross-talk must stay there (it once
+    mixed a CPU accumulator in and failed on the first GPU run). ``meta`` stands in for the GPU;
+    the variance, a scalar read, is pretended."""
+    from fedattr.attribution import calibrated
+    from fedattr.watermarks.tail import RowSubsets
+
+    class Law(RowSubsets):
+        def variance(self, W):
+            return 1.0
+
+    monkeypatch.setattr(calibrated, "cross_talk", lambda *a, **k: np.eye(3) + 0.2)
+    changes = [{"probes": torch.randn(5, 16, device="meta")} for _ in range(3)]
+    out, decorrelated = calibrated.standardise_round(
+        [0, 1, 2], [0, 1, 2], [None] * 3, changes, None, {"probes": Law(4, 16)}
+    )
+    assert decorrelated and {o["probes"].device.type for o in out} == {"meta"}

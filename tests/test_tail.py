@@ -163,3 +163,69 @@ def test_small_cells_by_their_cumulant_series_give_the_direct_cgf_and_tail():
         for tail in (saddlepoint_log10_sf, chernoff_log10_sf):
             a, b = tail(BernoulliCells(u, 0.25), t), tail(Direct(u, 0.25), t)
             assert a == pytest.approx(b, rel=1e-9)
+
+
+def test_tails_of_several_owners_equal_one_tail_each():
+    """Owners reading one client's change share its CGF: the same p as one at a time, for
+    every method (saddlepoint, Chernoff, exact enumeration, the sphere)."""
+    rng = np.random.default_rng(8)
+    many = torch.tensor(_centred(rng.normal(size=(30, 64))))
+    few = torch.zeros(3, 32, dtype=torch.float64)
+    few[:, 0] = 3.0
+    few = torch.tensor(_centred(few.numpy() + 0.01 * rng.normal(size=(3, 32))))
+    cases = [(RowSubsets(16, 64), many), (RowSubsets(8, 32), few), (RowSubsets(1, 4), many[:3, :4])]
+    cases.append((Directions(many.numel()), many.reshape(1, -1)))
+    for law, W in cases:
+        sd = math.sqrt(law.variance(W))
+        values = [0.5 * sd, 2.0 * sd, 4.0 * sd]
+        got = law.tails(W, values)
+        assert [t.method for t in got] == [law.tail(W, v).method for v in values]
+        assert [t.log10_p for t in got] == pytest.approx([law.tail(W, v).log10_p for v in values])
+
+
+def test_tilted_monte_carlo_draws_keys_with_torch_as_with_numpy():
+    """The torch path (``device``, used with cuda on vocabulary-sized changes; here on the
+    CPU) estimates the same tail as the numpy path and the saddlepoint."""
+    rng = np.random.default_rng(9)
+    W = _centred(rng.standard_t(3, size=(40, 256)))
+    sd = math.sqrt(0.25 * 0.75 * (W**2).sum())
+    cgf = BernoulliCells(W.reshape(-1), 0.25)
+    sp = 10 ** saddlepoint_log10_sf(cgf, 5.0 * sd)
+    mc_np, rel_np = tilted_monte_carlo(W, 0.25, 5.0 * sd, 3000, seed=3)
+    mc_t, rel_t = tilted_monte_carlo(W, 0.25, 5.0 * sd, 3000, seed=3, cgf=cgf, device="cpu")
+    assert rel_np < 0.1 and rel_t < 0.1
+    assert mc_t == pytest.approx(sp, rel=0.25) and mc_t == pytest.approx(mc_np, rel=0.25)
+    assert mc_t != mc_np  # two generators: not the numpy path under another name
+
+
+def test_tail_check_command_reads_saved_changes_and_checks_every_level(tmp_path, capsys):
+    """``fedattr experiment tail-check`` on a run folder's ``changes.safetensors``: one row per
+    (client, level), Monte Carlo near the saddlepoint on spread changes, the Chernoff bound
+    above it; the torch path (``--device``) is refused in one line where there is no GPU."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from fedattr.cli import main
+
+    rng = np.random.default_rng(11)
+    run = tmp_path / "run"
+    run.mkdir()
+    changes = {f"{c}/probes": torch.tensor(rng.standard_t(4, size=(24, 64))) for c in range(3)}
+    save_file(changes, str(run / "changes.safetensors"))
+    laws = {"probes": RowSubsets(16, 64).describe()}
+    (run / "results.json").write_text(json.dumps({"key_laws": laws}))
+    out = tmp_path / "tc"
+    assert main(["experiment", "tail-check", str(run), "--draws", "2000", "--out", str(out)]) == 0
+    rows = json.loads((out / "tail-check.json").read_text())
+    assert sorted({(r["client"], r["level"]) for r in rows}) == [
+        (c, lv) for c in range(3) for lv in (1e-6, 1e-5, 1e-4, 1e-3)
+    ]
+    for r in rows:
+        assert r["effective_cells"] > 30 and 0.6 < r["ratio"] < 1.6
+        assert r["chernoff"] >= r["monte_carlo"]
+    assert "Chernoff bound at or above Monte Carlo: 12 of 12" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        code = main(["experiment", "tail-check", str(run), "--device", "cuda", "--out", str(out)])
+        assert code == 2
+        assert "--device=cuda: torch sees no CUDA device here" in capsys.readouterr().err

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -50,7 +51,7 @@ import torch
 from scipy.stats import norm
 
 from ..errors import UserError
-from ..watermarks.tail import KeyLaw, RowSubsets, law_from_dict
+from ..watermarks.tail import KeyLaw, RowSubsets, Tail, law_from_dict
 from .config import AttributionConfig
 from .design import QueryDesign
 from .stouffer import AttributionReport, ClientAttribution
@@ -153,7 +154,7 @@ def standardise_round(
                 [
                     sum(
                         (float(inv[i, k]) * Y[k].double() for k in range(len(Y))),
-                        torch.zeros(Y.shape[1], dtype=torch.float64),
+                        torch.zeros(Y.shape[1], dtype=torch.float64, device=Y.device),
                     ).float()
                     for i in range(len(Y))
                 ]
@@ -199,6 +200,9 @@ class CalibratedNull:
         self.parts: dict[str, str] = {}  # owner -> part
         self.valid: dict[str, bool] = {}  # owner -> is its key exchangeable with a random one
         self.cross_talk: set[int] = set()  # clients with a round whose cross-talk was kept
+        # Where the changes were computed (a GPU for an LLM): the rank check's random keys are
+        # drawn there. The sums themselves are kept on the CPU (checkpoints load anywhere).
+        self.device = torch.device("cpu")
 
     @classmethod
     def of(cls, config: AttributionConfig) -> CalibratedNull:
@@ -282,6 +286,7 @@ class CalibratedNull:
             self.cross_talk.add(target)
         acc = self.W.setdefault(target, {})
         for part, c in parts.items():
+            self.device = c.device
             # On the CPU, in float64: a checkpoint loads on any machine, and the sum over rounds
             # matches the owners' values (summed in float64) to the last digits.
             c = c.detach().to("cpu", torch.float64)
@@ -304,11 +309,12 @@ class CalibratedNull:
         components = {o: AttributionReport(gamma=threshold) for o in owners}
         combined = AttributionReport(gamma=threshold, components=components)
         ranks = self._rank_values(clients)
+        tails = self._tails(clients, owners)
         for c in clients:
             watermarked = None if truth is None else bool(truth.get(c, False))
             rows = []
             for o in owners:
-                row = self._client_owner(c, o, watermarked, level, ranks)
+                row = self._client_owner(c, o, watermarked, level, ranks, tails.get((c, o)))
                 components[o].clients.append(row)
                 rows.append(row)
             if not rows:
@@ -347,11 +353,39 @@ class CalibratedNull:
             have = [c for c in clients if part in self.W.get(c, {})]
             if not have:
                 continue
-            values = law_from_dict(desc).random_values(
-                [self.W[c][part] for c in have], self.null_keys, self.seed
-            )
+            # On a GPU: 200 keys over ten vocabulary-sized changes are ~1e11 cells, minutes
+            # on a CPU (it reads every change once per key), a second there.
+            Ws = [
+                self.W[c][part]
+                if self.device.type == "cpu"
+                else self.W[c][part].to(self.device, torch.float32)
+                for c in have
+            ]
+            values = law_from_dict(desc).random_values(Ws, self.null_keys, self.seed)
             out[part] = {c: values[i] for i, c in enumerate(have)}
         return out
+
+    def _tails(self, clients: Sequence[int], owners: Sequence[str]) -> dict[tuple[int, str], Tail]:
+        """The exact tail of every (client, owner) statistic. Owners reading the same part
+        share its CGF (built once per client); clients run in threads (the work is numpy
+        over ``W``, which releases the GIL): a vocabulary-sized ``W`` takes seconds."""
+        jobs: dict[tuple[int, str], list[str]] = {}
+        for c in clients:
+            for o in owners:
+                if self.parts[o] in self.W.get(c, {}) and o in self.values.get(c, {}):
+                    jobs.setdefault((c, self.parts[o]), []).append(o)
+
+        def one(job: tuple[int, str]) -> list[tuple[tuple[int, str], Tail]]:
+            c, part = job
+            law, names = law_from_dict(self.laws[part]), jobs[job]
+            found = law.tails(self.W[c][part], [self.values[c][o] for o in names])
+            return [((c, o), t) for o, t in zip(names, found, strict=True)]
+
+        workers = min(len(jobs), max(1, torch.get_num_threads()))
+        if workers <= 1:
+            return dict(pair for job in jobs for pair in one(job))
+        with ThreadPoolExecutor(workers) as pool:
+            return dict(pair for pairs in pool.map(one, jobs) for pair in pairs)
 
     def _client_owner(
         self,
@@ -360,12 +394,13 @@ class CalibratedNull:
         watermarked: bool | None,
         level: float,
         ranks: Mapping[str, Mapping[int, np.ndarray]],
+        tail: Tail | None,
     ) -> ClientAttribution:
         z = dict(self.per_round.get(client, {}).get(owner, {}))
         part = self.parts[owner]
         W = self.W.get(client, {}).get(part)
         valid = self.valid.get(owner, True) and client not in self.cross_talk
-        if W is None or owner not in self.values.get(client, {}):
+        if W is None or tail is None:
             return ClientAttribution(
                 client,
                 z,
@@ -383,7 +418,6 @@ class CalibratedNull:
         value = self.values[client][owner]
         sd = math.sqrt(law.variance(W))
         score = value / sd if sd > 0 else 0.0
-        tail = law.tail(W, value)
         p_rank = None
         null = ranks.get(part, {}).get(client)
         if null is not None:

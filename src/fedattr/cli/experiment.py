@@ -67,7 +67,13 @@ def _cmd_experiment_tail_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     out = Path(args.out)
-    write_tail_check(tail_check(args.run_dirs, args.draws), out)
+    device = None if args.device == "cpu" else args.device
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("--device=cuda: torch sees no CUDA device here; allowed: cpu")
+    write_tail_check(tail_check(args.run_dirs, args.draws, device=device), out)
     print((out / "tail-check.md").read_text())
     return 0
 
@@ -166,6 +172,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     tc.add_argument("--draws", type=int, default=4000, help="random keys per point (4000)")
     tc.add_argument("--out", default="runs/tail-check", help="where tail-check.md/json go")
+    tc.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the random keys are drawn: cpu (numpy, default) or cuda (torch; "
+        "vocabulary-sized changes)",
+    )
     tc.set_defaults(func=_cmd_experiment_tail_check)
     sw = exp_sub.add_parser(
         "sweep",

@@ -28,7 +28,7 @@ Every tail is returned as ``log10 p`` (finite far below 1e-300) with the method 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -259,6 +259,11 @@ class KeyLaw(Protocol):
         """``P(<W, key> >= value)`` under a random key."""
         ...
 
+    def tails(self, W: torch.Tensor, values: Sequence[float]) -> list[Tail]:
+        """:meth:`tail` at several values of one ``W`` (several owners' keys reading one
+        client's change): what depends on ``W`` alone is computed once."""
+        ...
+
     def random_values(self, Ws: list[torch.Tensor], n: int, seed: int) -> np.ndarray:
         """``<W, key_k>`` for ``n`` random keys (``[len(Ws), n]``): the rank check."""
         ...
@@ -288,19 +293,23 @@ class RowSubsets:
         return self.v * float((W.double() ** 2).sum())
 
     def tail(self, W: torch.Tensor, value: float) -> Tail:
+        return self.tails(W, [value])[0]
+
+    def tails(self, W: torch.Tensor, values: Sequence[float]) -> list[Tail]:
         w = W.double().reshape(-1, self.cols).cpu().numpy()
         if not np.any(w):
-            return Tail(0.0, "exact")  # no change: every key reads 0
+            return [Tail(0.0, "exact") for _ in values]  # no change: every key reads 0
         if self.m == 1 and len(w) * math.log(self.cols) <= math.log(EXACT_COMBINATIONS):
-            return Tail(exact_one_of_log10_sf(w, value), "exact")
+            return [Tail(exact_one_of_log10_sf(w, v), "exact") for v in values]
         if effective_cells(w) >= MIN_EFFECTIVE_CELLS:
             # Independent cells, scaled so that their variance is the fixed-size rows' exactly.
             scale = math.sqrt(self.cols / (self.cols - 1))
             cgf = (
                 RowDraws(w, 1) if self.m == 1 else BernoulliCells(scale * w.reshape(-1), self.gamma)
             )
-            return Tail(saddlepoint_log10_sf(cgf, value), "saddlepoint")
-        return Tail(chernoff_log10_sf(RowDraws(w, self.m), value), "chernoff")
+            return [Tail(saddlepoint_log10_sf(cgf, v), "saddlepoint") for v in values]
+        draws = RowDraws(w, self.m)
+        return [Tail(chernoff_log10_sf(draws, v), "chernoff") for v in values]
 
     @property
     def gamma(self) -> float:
@@ -349,6 +358,9 @@ class Directions:
         a = 0.5 * (self.dim - 1)
         return Tail(float(beta_dist.logsf(0.5 * (x + 1.0), a, a)) / LN10, "exact")
 
+    def tails(self, W: torch.Tensor, values: Sequence[float]) -> list[Tail]:
+        return [self.tail(W, v) for v in values]
+
     def random_values(self, Ws: list[torch.Tensor], n: int, seed: int) -> np.ndarray:
         start = int(np.random.default_rng([seed, 0xD1]).integers(2**62))
         gen = torch.Generator().manual_seed(start)
@@ -371,24 +383,54 @@ def law_from_dict(data: Mapping) -> KeyLaw:
 
 
 def tilted_monte_carlo(
-    W: np.ndarray, gamma: float, t: float, n: int, seed: int = 0
+    W: np.ndarray,
+    gamma: float,
+    t: float,
+    n: int,
+    seed: int = 0,
+    cgf: BernoulliCells | None = None,
+    device: str | torch.device | None = None,
 ) -> tuple[float, float]:
     """``(p, relative standard error)`` of ``P(<w, B> >= t)`` for independent Bernoulli(gamma)
     cells (the random keys' law), by importance sampling from the CGF's exponential tilt at the
-    saddlepoint: the check of :func:`saddlepoint_log10_sf` far in the tail."""
+    saddlepoint: the check of :func:`saddlepoint_log10_sf` far in the tail.
+
+    ``cgf``: ``BernoulliCells`` of the same nonzero cells, when the caller has it (building it
+    reads every cell). ``device``: draw the keys with torch there (a GPU draws a vocabulary-sized
+    key in a millisecond); ``None`` draws them with numpy."""
     w = W.reshape(-1)
     w = w[w != 0.0]
-    cgf = BernoulliCells(w, gamma)
+    if cgf is None:
+        cgf = BernoulliCells(w, gamma)
     s, k, _ = _saddle(cgf, t, cgf.mean)
     pi = 0.5 * (1.0 + np.tanh(0.5 * (cgf.log_odds + s * w)))
-    rng = np.random.default_rng(seed)
-    weights = np.empty(n)
-    chunk = max(1, int(4e7 // max(1, w.size)))
-    for start in range(0, n, chunk):
-        count = min(chunk, n - start)
-        draws = rng.random((count, w.size)) < pi
-        T = draws.astype(np.float64) @ w
-        weights[start : start + count] = np.where(t <= T, np.exp(k - s * T), 0.0)
+    if device is None:
+        rng = np.random.default_rng(seed)
+        T = np.empty(n)
+        chunk = max(1, int(4e7 // max(1, w.size)))
+        for start in range(0, n, chunk):
+            count = min(chunk, n - start)
+            draws = rng.random((count, w.size)) < pi
+            T[start : start + count] = draws.astype(np.float64) @ w
+    else:
+        T = _tilted_sums_torch(w, pi, n, seed, torch.device(device))
+    weights = np.where(t <= T, np.exp(k - s * T), 0.0)
     p = float(weights.mean())
     se = float(weights.std(ddof=1) / math.sqrt(n)) if n > 1 else math.inf
     return p, se / p if p > 0 else math.inf
+
+
+def _tilted_sums_torch(
+    w: np.ndarray, pi: np.ndarray, n: int, seed: int, device: torch.device
+) -> np.ndarray:
+    """``n`` sums ``<w, B>`` with ``B_c ~ Bernoulli(pi_c)``, drawn with torch on ``device``."""
+    wt = torch.from_numpy(w).to(device)
+    pt = torch.from_numpy(pi).to(device=device, dtype=torch.float32)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = torch.empty(n, dtype=torch.float64, device=device)
+    chunk = max(1, int(2.5e8 // max(1, w.size)))  # ~1 GB of uniforms at a time
+    for start in range(0, n, chunk):
+        count = min(chunk, n - start)
+        u = torch.rand((count, w.size), generator=gen, device=device)
+        out[start : start + count] = torch.where(u < pt, wt, 0.0).sum(dim=1)
+    return out.cpu().numpy()
