@@ -101,6 +101,17 @@ def test_cli_bench_small(capsys):
     assert {r["backend"] for r in rows} >= {"plain-sum", "plaintext", "pairwise-mask", "two-server"}
 
 
+def test_cli_bench_verdicts_times_the_end_of_a_calibrated_run(capsys):
+    """Sums, rank check and tails on small changes; a bad size is one line naming the flag."""
+    argv = ["bench", "verdicts", "--contexts", "4", "--vocab", "256", "--null-keys", "20"]
+    assert main([*argv, "--json"]) == 0
+    fig = json.loads(capsys.readouterr().out)
+    assert fig["cells_per_client"] == 1024 and fig["clients"] == 10 and fig["null_keys"] == 20
+    assert fig["tail_methods"] and all(fig[k] >= 0 for k in ("sums_s", "rank_check_s", "tails_s"))
+    assert main(["bench", "verdicts", "--owners", "0"]) == 2
+    assert "--owners: must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_setting_one_nested_key_keeps_the_parents_other_defaults():
     from fedattr.config import load
     from fedattr.pipeline.config import RunConfig

@@ -60,6 +60,22 @@ def _cmd_bench_scoring(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_verdicts(args: argparse.Namespace) -> int:
+    from ..experiments.bench import bench_verdicts, format_verdicts
+
+    fig = bench_verdicts(
+        args.clients,
+        args.owners,
+        args.contexts,
+        args.vocab,
+        args.rounds,
+        args.null_keys,
+        args.device,
+    )
+    print(json.dumps(fig, indent=2) if args.json else format_verdicts(fig))
+    return 0
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` and its subcommands; a benchmark measures this machine's work, so the
     group takes the threads."""
@@ -110,3 +126,21 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     bsc.add_argument("--out", help="folder for scoring.md and scoring.json")
     bsc.add_argument("--json", action="store_true")
     bsc.set_defaults(func=_cmd_bench_scoring)
+    bv = bench_sub.add_parser(
+        "verdicts",
+        help="the calibrated statistic's end of a run on changes of a real run's size: sums "
+        "over rounds, the rank check, the exact tails",
+    )
+    bv.add_argument("--clients", type=int, default=10)
+    bv.add_argument("--owners", type=int, default=3)
+    bv.add_argument(
+        "--contexts", type=int, default=550, help="probe contexts (550: the smollm2 preset)"
+    )
+    bv.add_argument("--vocab", type=int, default=49_152, help="vocabulary (49,152: SmolLM2)")
+    bv.add_argument("--rounds", type=int, default=5)
+    bv.add_argument("--null-keys", dest="null_keys", type=int, default=200)
+    bv.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="where the changes live"
+    )
+    bv.add_argument("--json", action="store_true")
+    bv.set_defaults(func=_cmd_bench_verdicts)

@@ -417,3 +417,93 @@ def format_scoring(rows: Sequence[dict]) -> str:
             for r in rows
         ],
     )
+
+
+def bench_verdicts(
+    clients: int = 10,
+    owners: int = 3,
+    contexts: int = 550,
+    vocab: int = 49_152,
+    rounds: int = 5,
+    null_keys: int = 200,
+    device: str = "cpu",
+    seed: int = 0,
+) -> dict:
+    """The calibrated statistic's end of a run, timed on changes of a real run's size
+    (SmolLM2-135M's preset: about 550 probe contexts x 49,152 tokens): each round's sums,
+    the rank check (``null_keys`` random keys, drawn on ``device``) and the exact tails (CPU,
+    one client per thread). The changes are heavy-tailed noise standardised as a run's are."""
+    from ..attribution.calibrated import CalibratedNull
+    from ..watermarks.tail import RowSubsets
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device=cuda: torch sees no CUDA device here; allowed: cpu")
+    for name, value, least in (
+        ("--clients", clients, 1),
+        ("--owners", owners, 1),
+        ("--contexts", contexts, 1),
+        ("--vocab", vocab, 8),
+        ("--rounds", rounds, 1),
+        ("--null-keys", null_keys, 0),
+    ):
+        if value < least:
+            raise UserError(f"{name}: must be >= {least}, got {value}")
+    law = RowSubsets(vocab // 4, vocab)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    keys = [
+        (torch.rand(contexts, vocab, generator=gen, device=device) < law.gamma).double()
+        for _ in range(owners)
+    ]
+    null = CalibratedNull(alpha=0.01, null_keys=null_keys, seed=seed)
+    names = {f"owner{o}": "probes" for o in range(owners)}
+    sums_s = 0.0
+    for t in range(1, rounds + 1):
+        for c in range(clients):
+            # Student-t(3) cells: a change's mass sits on few cells, as a real one's does.
+            x = torch.randn(contexts, vocab, generator=gen, device=device, dtype=torch.float64)
+            x = x / (torch.rand(contexts, vocab, generator=gen, device=device) + 0.05).sqrt()
+            W = law.centre(x)
+            W = W / (law.variance(W) ** 0.5)
+            values = {f"owner{o}": float((W * k).sum()) for o, k in enumerate(keys)}
+            _synchronize(device)
+            start = time.perf_counter()  # the run's work: the change kept on the CPU, summed
+            null.add(t, c, {"probes": W}, values, {"probes": law}, names)
+            sums_s += time.perf_counter() - start
+    order = list(range(clients))
+    start = time.perf_counter()
+    null._rank_values(order)
+    _synchronize(device)
+    rank_s = time.perf_counter() - start
+    start = time.perf_counter()
+    tails = null._tails(order, sorted(names))
+    tails_s = time.perf_counter() - start
+    methods = sorted({t.method for t in tails.values()})
+    return {
+        "clients": clients,
+        "owners": owners,
+        "cells_per_client": contexts * vocab,
+        "rounds": rounds,
+        "null_keys": null_keys,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "sums_s": sums_s,
+        "rank_check_s": rank_s,
+        "tails_s": tails_s,
+        "tail_methods": methods,
+    }
+
+
+def format_verdicts(fig: dict) -> str:
+    """``fedattr bench verdicts`` as a Markdown table."""
+    return table(
+        ["what", "value"],
+        [
+            ["changes", f"{fig['clients']} clients x {fig['cells_per_client']:,} cells"],
+            ["owners, rounds", f"{fig['owners']}, {fig['rounds']}"],
+            ["device (rank check), threads", f"{fig['device']}, {fig['threads']}"],
+            ["sums over rounds", f"{fig['sums_s']:.1f} s"],
+            [f"rank check ({fig['null_keys']} keys)", f"{fig['rank_check_s']:.1f} s"],
+            ["exact tails (all clients x owners)", f"{fig['tails_s']:.1f} s"],
+            ["tail methods", ", ".join(fig["tail_methods"])],
+        ],
+    )
