@@ -23,8 +23,12 @@ def test_short_run_end_to_end(tiny_cache, strategy, detector):
             "attribution.statistic=" + ("paper" if detector == "greedy" else "calibrated"),
         ),
     )
-    result = run_experiment(cfg, progress=lambda _m: None)
+    said: list[str] = []
+    result = run_experiment(cfg, progress=said.append)
     d = result.to_dict()
+    # The verdicts of the calibrated statistic are a stage of their own: announced and timed.
+    final = [m for m in said if m.startswith("final verdicts")]
+    assert len(final) == (2 if detector == "reading" else 0)
     assert d["sa_queries"] == 2 * (2 * 2 * 4 + 1)  # T * (2MK attribution + 1 aggregate)
     assert d["mode"] == "paper"
     assert {"train_s", "sa_s", "scoring_s", "total_s"} <= set(d["timing"])
