@@ -98,6 +98,18 @@ def test_decorrelation_recovers_each_clients_own_change():
     assert not plain.decorrelated[1]
 
 
+def _add_linear(null, scorer, cid, W):
+    """Round 1 of client ``cid``: change ``W`` read by ``scorer``'s one key."""
+    null.add(
+        1,
+        cid,
+        {DEFAULT_STATISTIC: W},
+        scorer.owner_values(DEFAULT_STATISTIC, W),
+        scorer.key_laws(),
+        {DEFAULT_STATISTIC: DEFAULT_STATISTIC},
+    )
+
+
 def test_the_verdict_reads_the_exact_tail_of_the_summed_change():
     rng = np.random.default_rng(3)
     dim = 50
@@ -105,19 +117,10 @@ def test_the_verdict_reads_the_exact_tail_of_the_summed_change():
     key = key / key.norm()
     scorer = LinearScorer(key)
     null = CalibratedNull(alpha=0.05, null_keys=99)
-    laws = scorer.key_laws()
     strong = torch.tensor(rng.normal(size=dim)) + 8 * key
     weak = torch.tensor(rng.normal(size=dim))
     for cid, W in ((0, strong), (1, weak)):
-        W = W * np.sqrt(dim) / W.norm()
-        null.add(
-            1,
-            cid,
-            {DEFAULT_STATISTIC: W},
-            scorer.owner_values(DEFAULT_STATISTIC, W),
-            laws,
-            {DEFAULT_STATISTIC: DEFAULT_STATISTIC},
-        )
+        _add_linear(null, scorer, cid, W * np.sqrt(dim) / W.norm())
     rep = null.report({0: True, 1: False})
     by = {c.id: c for c in rep.clients}
     assert by[0].tail == "exact" and by[0].flagged and by[0].p < 1e-6
@@ -295,18 +298,10 @@ def test_report_reads_every_client_tail_in_threads_with_the_same_verdicts():
     dim = 40
     key = torch.tensor(rng.normal(size=dim))
     scorer = LinearScorer(key / key.norm())
-    laws = scorer.key_laws()
     null = CalibratedNull(alpha=0.05, null_keys=49)
     for cid in range(6):
         W = torch.tensor(rng.normal(size=dim)) + (6.0 if cid < 2 else 0.0) * scorer.direction
-        null.add(
-            1,
-            cid,
-            {DEFAULT_STATISTIC: W},
-            scorer.owner_values(DEFAULT_STATISTIC, W),
-            laws,
-            {DEFAULT_STATISTIC: DEFAULT_STATISTIC},
-        )
+        _add_linear(null, scorer, cid, W)
     before = torch.get_num_threads()
     try:
         reports = []

@@ -102,3 +102,11 @@ def set_threads() -> tuple[int, str | None]:
     if note:
         _NOTE.append(note)
     return n, note
+
+
+def require_cuda(flag: str) -> None:
+    """One line naming ``flag`` when it asks for ``cuda`` and torch sees no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError(f"{flag}=cuda: torch sees no CUDA device here; allowed: cpu")

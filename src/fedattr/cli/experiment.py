@@ -69,10 +69,9 @@ def _cmd_experiment_tail_check(args: argparse.Namespace) -> int:
     out = Path(args.out)
     device = None if args.device == "cpu" else args.device
     if device == "cuda":
-        import torch
+        from ..runtime import require_cuda
 
-        if not torch.cuda.is_available():
-            raise UserError("--device=cuda: torch sees no CUDA device here; allowed: cpu")
+        require_cuda("--device")
     write_tail_check(tail_check(args.run_dirs, args.draws, device=device), out)
     print((out / "tail-check.md").read_text())
     return 0

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import UserError
 from ..reporting.markdown import table
+from ..runtime import require_cuda
 from ..secagg import BACKENDS, SecAggConfig, make_aggregator
 
 
@@ -436,8 +437,8 @@ def bench_verdicts(
     from ..attribution.calibrated import CalibratedNull
     from ..watermarks.tail import RowSubsets
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device=cuda: torch sees no CUDA device here; allowed: cpu")
+    if device == "cuda":
+        require_cuda("--device")
     for name, value, least in (
         ("--clients", clients, 1),
         ("--owners", owners, 1),

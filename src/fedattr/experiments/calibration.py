@@ -350,8 +350,8 @@ def tail_check(
 
     from ..watermarks.tail import (
         BernoulliCells,
-        RowDraws,
         RowSubsets,
+        RowSubsetsBound,
         chernoff_log10_sf,
         effective_cells,
         law_from_dict,
@@ -381,6 +381,7 @@ def tail_check(
         cgf = BernoulliCells(scale * w.reshape(-1), law.gamma)
         sd = math.sqrt(law.variance(torch.from_numpy(w)))
         cells = effective_cells(w)
+        bound = RowSubsetsBound(w, law.m)  # the bound the verdict reads below 30 cells
         # The largest value a key can reach is the sum of the positive cells: the search for
         # t stays inside it (beyond, the saddlepoint has no solution and each step is slow).
         top = min(60.0, 0.99 * scale * float(np.maximum(w, 0.0).sum()) / sd)
@@ -407,7 +408,7 @@ def tail_check(
                     "monte_carlo": mc,
                     "mc_rel_se": rel,
                     "ratio": mc / level,
-                    "chernoff": 10 ** chernoff_log10_sf(RowDraws(w, law.m), t),
+                    "chernoff": 10 ** chernoff_log10_sf(bound, t),
                 }
             )
         return out

@@ -160,11 +160,6 @@ def _observers(
     ]
 
 
-def primary_statistic(observers: list[AttributionObserver]) -> str:
-    """The statistic of the run's main FedAttr configuration."""
-    return observers[0].fedattr.config.statistic
-
-
 def _finish(
     cfg: RunConfig | DemoConfig,
     engine: RoundEngine,
@@ -177,8 +172,9 @@ def _finish(
     """Results of the primary observer, with the other observers as variants."""
     # The verdicts read every client's summed change once more (exact tails, the rank
     # check): on a vocabulary-sized change that is a stage of its own, so it says so.
-    if say is not None and primary_statistic(observers) == "calibrated":
-        say("final verdicts: each client's summed change read with every owner's key")
+    announce = say if observers[0].fedattr.config.statistic == "calibrated" else None
+    if announce is not None:
+        announce("final verdicts: each client's summed change read with every owner's key")
     start = time.perf_counter()
     timing = dict(engine.timing.seconds)
     timing["total_s"] = engine.timing.elapsed()
@@ -219,8 +215,8 @@ def _finish(
     details = {**details, "work": dict(engine.timing.counts)}
     changes, laws = primary.fedattr.statistic.changes()
     report = primary.fedattr.report(truth)
-    if say is not None and primary_statistic(observers) == "calibrated":
-        say(f"final verdicts: {time.perf_counter() - start:.1f} s")
+    if announce is not None:
+        announce(f"final verdicts: {time.perf_counter() - start:.1f} s")
     return RunResult(
         dataclasses.replace(cfg),
         report,
