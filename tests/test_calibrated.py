@@ -82,7 +82,7 @@ def test_decorrelation_recovers_each_clients_own_change():
         assert got == pytest.approx(want, rel=1e-4, abs=1e-4)
         # The round's displayed statistic is the owner's value, with unit null variance.
         assert shown[i][DEFAULT_STATISTIC] == pytest.approx(
-            float(scorer.direction.numpy() @ want), rel=1e-4, abs=1e-4
+            float((scorer.direction / scorer.direction.norm()).numpy() @ want), rel=1e-4, abs=1e-4
         )
     # Without decorrelation the SA mean's change is the centre (hardened mode's case).
     plain = CalibratedNull(decorrelate=False, null_keys=0)
@@ -159,6 +159,48 @@ def test_an_uncalibrated_detector_is_reported_but_names_no_one_unless_asked():
         rep = null.report({0: True})
         assert rep.uncalibrated == [DEFAULT_STATISTIC] and not rep.clients[0].calibrated
         assert rep.clients[0].p < 1e-3 and rep.clients[0].flagged is ask
+
+
+class _FirstRoundScorer(LinearScorer):
+    """A detector whose key is exchangeable with a random one in round 1 only (as FK's)."""
+
+    exchangeable_rounds = 1
+
+
+def test_a_key_exchangeable_in_round_one_only_is_read_there_or_reported_uncalibrated():
+    rng = np.random.default_rng(7)
+    K, dim = 6, 48
+    designs = [draw_design(range(K), i, 3, 3, rng) for i in range(K)]
+    scorer = _FirstRoundScorer(torch.tensor(rng.normal(size=dim)))
+    # Client 0 carries the key in round 1; in round 2 (the reference has learned the owner's
+    # secret) every client moves along it. The estimates carry cross-talk (A @ own).
+    A = np.array([[d.coefficients()[j] for j in range(K)] for d in designs])
+    key = scorer.direction.numpy() / np.linalg.norm(scorer.direction.numpy())
+    signal = {1: [8.0] + [0.0] * (K - 1), 2: [3.0 * i for i in range(K)]}
+    rounds = {
+        t: A @ np.array([rng.normal(size=dim) + a * key for a in amp]) for t, amp in signal.items()
+    }
+    for late in ("skip", "read"):
+        null = CalibratedNull(alpha=0.05, null_keys=0, late_rounds=late)
+        assert null.reads(1, scorer) and null.reads(2, scorer) is (late == "read")
+        for t, own in rounds.items():
+            changes = [{DEFAULT_STATISTIC: torch.tensor(x)} for x in own]
+            shown = null.add_round(
+                t, list(range(K)), list(range(K)), designs, changes, None, scorer
+            )
+            assert bool(shown) is (t == 1 or late == "read")
+        rep = null.report({i: i == 0 for i in range(K)})
+        assert all(set(c.z) == ({1} if late == "skip" else {1, 2}) for c in rep.clients)
+        if late == "skip":
+            # Round 1 alone: exact, calibrated, and it names the client that carried the key.
+            assert rep.rounds_read == {DEFAULT_STATISTIC: 1} and not rep.uncalibrated
+            assert rep.flagged == [0] and all(c.calibrated for c in rep.clients)
+        else:
+            # Every round read: reported, uncalibrated, names no one without being asked.
+            assert rep.uncalibrated == [DEFAULT_STATISTIC] and not rep.rounds_read
+            assert rep.flagged == [] and not any(c.calibrated for c in rep.clients)
+    with pytest.raises(ConfigError, match=r"attribution\.late_rounds"):
+        load(RunConfig, None, ["attribution.late_rounds=sometimes"])
 
 
 def test_calibrated_needs_a_detector_with_random_keys():
@@ -358,3 +400,68 @@ def test_cross_talk_is_undone_on_the_device_of_the_changes(monkeypatch):
         [0, 1, 2], [0, 1, 2], [None] * 3, changes, None, {"probes": Law(4, 16)}
     )
     assert decorrelated and {o["probes"].device.type for o in out} == {"meta"}
+
+
+class _CurvedScorer:
+    """A detector whose reading saturates (as FK's log-probabilities of a learned fact do):
+    its change is not linear in the estimate."""
+
+    exchangeable_rounds = None
+
+    def observe(self, params):
+        return params["a"].reshape(-1).double()
+
+    def contrast(self, reference, candidate):
+        return 0.0
+
+    def change(self, reference, candidate):
+        def curve(x):
+            return x + 0.4 * x**2
+
+        return {"owner": curve(candidate) - curve(reference)}
+
+    def key_laws(self):
+        from fedattr.watermarks.tail import Directions
+
+        return {"owner": Directions(6)}
+
+    def owner_values(self, part, W):
+        return {"owner": float(W.reshape(-1)[0])}
+
+
+def test_a_small_reading_step_makes_undoing_cross_talk_exact_for_a_curved_reading():
+    """Read as applied, a curved detector leaves second-order traces of the other clients'
+    updates in each recovered change; read at a small step (per unit of the estimate), the
+    recovered change is the client's own (its first-order part), whatever the curvature."""
+    from fedattr.secagg import SecAggConfig, make_aggregator
+
+    K = 10
+    gen = torch.Generator().manual_seed(3)
+    own = [torch.randn(3, 2, generator=gen, dtype=torch.float64) for _ in range(K)]
+    stacked = torch.stack([o.reshape(-1) for o in own]).numpy()
+    centred = stacked - np.median(stacked, axis=0)
+    want = centred / np.linalg.norm(centred, axis=1, keepdims=True) * np.sqrt(6)
+    errors = {}
+    # (attribution.reading_step, the detector's own step)
+    for step, own_step in [(1.0, None), (1e-4, None), (None, 1e-4), (1.0, 1e-4), (None, None)]:
+        sa = make_aggregator(SecAggConfig(backend="plaintext"))
+        sa.open_round(1, range(K))
+        for j in range(K):
+            sa.submit(j, {"a": own[j]})
+        fed = FedAttr(AttributionConfig(null_keys=0, reading_step=step))
+        reference = {"a": torch.zeros(3, 2, dtype=torch.float64)}
+        scorer = _CurvedScorer()
+        if own_step is not None:
+            scorer.reading_step = own_step  # a detector asking for a stepped reading (FK)
+        record = fed.attribute_round(1, sa, reference, scorer)
+        assert record.decorrelated is True
+        W = fed.statistic.calibrated.W
+        errors[step, own_step] = max(
+            float(np.abs(W[i]["owner"].numpy().reshape(-1) - want[i]).max()) for i in range(K)
+        )
+    exact = [errors[1e-4, None], errors[None, 1e-4]]
+    # As applied (the default for a detector that asks nothing, or the setting overriding it).
+    applied = [errors[1.0, None], errors[1.0, 1e-4], errors[None, None]]
+    assert max(exact) < 1e-3 and min(applied) > 0.1
+    with pytest.raises(ConfigError, match=r"attribution\.reading_step"):
+        load(RunConfig, None, ["attribution.reading_step=0"])

@@ -275,7 +275,7 @@ def test_damaged_checkpoint_is_one_clear_line(tmp_path):
 class _KeyedDeviceScorer(_DeviceScorer):
     """The calibrated path's scorer: a key-linear change and its key law."""
 
-    null_valid = True
+    exchangeable_rounds = None
 
     def change(self, reference, candidate):
         return {"owner": torch.linspace(-1.0, 1.0, 6) * (1.0 + candidate - reference)}

@@ -290,6 +290,12 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     # The FK margin has no null scale of its own: under null = auto FedAttr goes empirical.
     assert d["null"] == ("key-randomised" if detector == "reading" else "theoretical")
     assert d["statistic"] == ("calibrated" if detector == "reading" else "paper")
+    if detector == "reading":
+        # FK's key is exchangeable with its decoys in round 1 only: only round 1 is read,
+        # so its p-values stay exact (the later rounds read no model).
+        assert d["rounds_read"] == {"fk:owner0": 1} and d["uncalibrated"] == []
+        assert all(list(c["z"]) == ["1"] for c in d["clients"])
+        assert all(c["calibrated"] for c in d["clients"])
     names = [b["name"] for b in d["baselines"]]
     assert names == [
         "Global model",

@@ -29,14 +29,16 @@ does not depend on any key, and an owner's statistic is that matrix read with th
    ``alpha`` over clients x owners. ``null_keys`` random keys read ``W_i`` once at the end as a
    check (``p_rank``, resolution ``1 / (null_keys + 1)``).
 
-A detector whose key is not exchangeable with a random one after the first round (FK: the
-reference model has learned the owner's facts from the watermarked clients, and no decoy
-matches that) says so (``null_valid = False``): its p-values are reported as uncalibrated, and
-no client is named by them unless ``attribution.name_uncalibrated`` asks for it. The same holds
-for a client with a round whose cross-talk was kept (hardened mode, or a round where not every
-participant was a target): its estimate then carries alpha-weighted copies of the other
-clients' updates, watermarked ones included, which the SA mean does not remove (measured on
-the synthetic bed at r = 3: 6.3% of runs named a clean client at family-wise 1%).
+A detector whose key is exchangeable with a random one only in the first rounds says so
+(``exchangeable_rounds``; FK: 1, since from round 2 the reference model has learned the owner's
+facts from the watermarked clients, and no decoy matches that). By default only those rounds
+are read (``attribution.late_rounds = "skip"``), so its p-values stay exact; reading every round
+makes them uncalibrated: reported, and no client is named by them unless
+``attribution.name_uncalibrated`` asks for it. The same holds for a client with a round whose
+cross-talk was kept (hardened mode, or a round where not every participant was a target): its
+estimate then carries alpha-weighted copies of the other clients' updates, watermarked ones
+included, which the SA mean does not remove (measured on the synthetic bed at r = 3: 6.3% of
+runs named a clean client at family-wise 1%).
 """
 
 from __future__ import annotations
@@ -64,10 +66,10 @@ Parts = dict[str, torch.Tensor]
 class LinearKeyScorer(Protocol):
     """A paired detector whose owner statistics are linear in the owner's key."""
 
-    null_valid: bool
-    """Whether the owner's key is exchangeable with a random one in every round; a detector
-    whose reference model learns the owner's secret (FK) says ``False`` and its p-values are
-    reported as uncalibrated."""
+    exchangeable_rounds: int | None
+    """How many rounds, from the first, read the owner's key as exchangeable with a random one
+    (``None``: every round). A detector whose reference model learns the owner's secret says
+    so (FK: 1): later rounds are skipped or make its p-values uncalibrated."""
 
     def observe(self, params: Any) -> Any:
         """What the detector reads of a model."""
@@ -84,6 +86,15 @@ class LinearKeyScorer(Protocol):
     def owner_values(self, part: str, W: torch.Tensor) -> dict[str, float]:
         """``<W, G_owner>`` for every owner whose key reads ``part``."""
         ...
+
+
+@runtime_checkable
+class SteppedReading(Protocol):
+    """A detector that asks to be read at a fraction of each estimate (its reading saturates:
+    only the first-order part of its change is linear in the estimate)."""
+
+    reading_step: float
+    """The fraction (``attribution.reading_step`` overrides it)."""
 
 
 @runtime_checkable
@@ -188,8 +199,10 @@ class CalibratedNull:
         seed: int = 0,
         name_uncalibrated: bool = False,
         token_centring: bool = False,
+        late_rounds: str = "skip",
     ) -> None:
         self.alpha, self.decorrelate, self.token_centring = alpha, decorrelate, token_centring
+        self.late_rounds = late_rounds
         self.null_keys, self.seed, self.name_uncalibrated = null_keys, seed, name_uncalibrated
         self.W: dict[int, dict[str, torch.Tensor]] = {}  # client -> part -> sum over rounds
         self.values: dict[int, dict[str, float]] = {}  # client -> owner -> <W, G>
@@ -200,6 +213,7 @@ class CalibratedNull:
         self.parts: dict[str, str] = {}  # owner -> part
         self.valid: dict[str, bool] = {}  # owner -> is its key exchangeable with a random one
         self.cross_talk: set[int] = set()  # clients with a round whose cross-talk was kept
+        self.rounds_read: dict[str, int] = {}  # owner -> only rounds 1..n read (late skipped)
         # Where the changes were computed (a GPU for an LLM): the rank check's random keys are
         # drawn there. The sums themselves are kept on the CPU (checkpoints load anywhere).
         self.device = torch.device("cpu")
@@ -215,6 +229,7 @@ class CalibratedNull:
             c.seed,
             c.name_uncalibrated,
             c.token_centring,
+            c.late_rounds,
         )
 
     def decorrelates(
@@ -223,6 +238,13 @@ class CalibratedNull:
         """Whether this round's cross-talk is undone; only a round that is not needs its SA
         mean's (the center's) change, so the caller can skip reading that model."""
         return cross_talk(participants, targets, designs, self.decorrelate) is not None
+
+    def reads(self, round_id: int, scorer: LinearKeyScorer) -> bool:
+        """Whether round ``round_id`` is read with ``scorer`` at all: not a round past the
+        detector's exchangeable ones when ``late_rounds`` skips them (the caller then reads no
+        model either)."""
+        n = scorer.exchangeable_rounds
+        return n is None or round_id <= n or self.late_rounds != "skip"
 
     def add_round(
         self,
@@ -236,7 +258,7 @@ class CalibratedNull:
     ) -> dict[int, dict[str, float]]:
         """One round's raw changes (one per target; ``center``: the SA mean's, needed only
         where cross-talk is not undone); returns each target's per-round statistic per owner."""
-        if not targets:
+        if not targets or not self.reads(round_id, scorer):
             return {}
         laws = scorer.key_laws()
         standard, decorrelated = standardise_round(
@@ -251,7 +273,8 @@ class CalibratedNull:
         )
         self.decorrelated[round_id] = decorrelated
         display: dict[int, dict[str, float]] = {}
-        valid = bool(scorer.null_valid)
+        n = scorer.exchangeable_rounds
+        valid = n is None or round_id <= n
         for target, parts in zip(targets, standard, strict=True):
             values: dict[str, float] = {}
             owners: dict[str, str] = {}
@@ -260,6 +283,8 @@ class CalibratedNull:
                     values[owner], owners[owner] = value, part
             self.add(round_id, target, parts, values, laws, owners, valid, decorrelated)
             display[target] = values
+            if n is not None and self.late_rounds == "skip":
+                self.rounds_read.update(dict.fromkeys(owners, n))
         return display
 
     def add(
@@ -341,6 +366,7 @@ class CalibratedNull:
             rep.level = level
             rep.uncalibrated = sorted(o for o in owners if not self.valid.get(o, True))
             rep.cross_talk = sorted(self.cross_talk)
+            rep.rounds_read = dict(sorted(self.rounds_read.items()))
         return combined
 
     def _rank_values(self, clients: Sequence[int]) -> dict[str, dict[int, np.ndarray]]:
@@ -449,6 +475,7 @@ class CalibratedNull:
             "parts": self.parts,
             "valid": self.valid,
             "cross_talk": sorted(self.cross_talk),
+            "rounds_read": self.rounds_read,
         }
 
     def load(self, state: Mapping) -> None:
@@ -462,3 +489,4 @@ class CalibratedNull:
         self.per_round, self.decorrelated = state["per_round"], state["decorrelated"]
         self.laws, self.parts, self.valid = state["laws"], state["parts"], state["valid"]
         self.cross_talk = set(state.get("cross_talk", []))
+        self.rounds_read = dict(state.get("rounds_read", {}))

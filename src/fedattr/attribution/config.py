@@ -30,9 +30,23 @@ class AttributionConfig:
     """``calibrated``: random keys that read each client's summed change once at the end, a
     check of the exact tail (``p_rank``, resolution ``1 / (null_keys + 1)``); 0 skips it."""
     name_uncalibrated: bool = False
-    """``calibrated``: also name clients by a detector whose p-values are not calibrated (FK,
-    whose key is not exchangeable with a random one once the reference model has learned the
-    owner's facts); by default they are reported, marked uncalibrated, and never named."""
+    """``calibrated``: also name clients by p-values that are not calibrated (FK reading every
+    round, ``late_rounds = "read"``: its key is not exchangeable with a random one once the
+    reference model has learned the owner's facts; clients whose rounds kept cross-talk); by
+    default they are reported, marked uncalibrated, and never named."""
+    reading_step: float | None = None
+    """``calibrated``: read ``w^{t-1} + s * Delta_hat_i`` (and the SA mean's likewise) and divide
+    each change by ``s``. 1 reads the estimate as applied. A small ``s`` reads the change's
+    first-order part, which is linear in the estimate, so undoing cross-talk with the design
+    matrix is exact; read as applied, a detector that saturates (FK: a learned fact's
+    log-probability) leaves second-order traces of the other clients' updates, watermarked ones
+    included, in a clean client's change. ``None``: the detector's own (FK 0.01, KGW 1)."""
+    late_rounds: Literal["skip", "read"] = "skip"
+    """``calibrated``, for a detector whose key is exchangeable with a random one only in the
+    first rounds (FK: only while the reference model has not learned the owners' facts, i.e.
+    round 1). ``skip``: read only those rounds, so its p-values are exact and it names clients.
+    ``read``: read every round (more evidence); its p-values are then reported as uncalibrated
+    and name no one unless ``name_uncalibrated``."""
     token_centring: bool = False
     """``calibrated`` with KGW: remove from each client's change what it does to a token in
     every context alike (drift towards frequent tokens, which no per-context green list is
@@ -90,6 +104,11 @@ class AttributionConfig:
         check_literal(self, "attribution", DesignError)
         if not 0.0 < self.alpha < 1.0:
             raise DesignError(f"attribution.alpha: must be in (0, 1), got {self.alpha!r}")
+        step = self.reading_step
+        if step is not None and not (isinstance(step, int | float) and 0 < step <= 1):
+            raise DesignError(
+                f"attribution.reading_step: must be in (0, 1], got {self.reading_step!r}"
+            )
         if not isinstance(self.null_keys, int) or self.null_keys < 0:
             raise DesignError(
                 f"attribution.null_keys: must be an integer >= 0, got {self.null_keys!r}"

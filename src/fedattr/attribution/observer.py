@@ -97,9 +97,14 @@ class AttributionObserver(Observer):
         line = " ".join(
             f"{r.target}{'*' if r.target in self.marked else ''}:{max(r.z.values()):+.1f}"
             for r in record.targets
+            if r.z
         )
         for warning in record.warnings:
             ctx.progress(f"[round {ctx.round}/{ctx.rounds}] {self.name} warning: {warning}")
+        for note in record.notes:
+            ctx.progress(f"[round {ctx.round}/{ctx.rounds}] {self.name}: {note}")
+        if not line:
+            return
         star = " (* = watermarked)" if self.marked else ""
         ctx.progress(f"[round {ctx.round}/{ctx.rounds}] {self.name} max-statistic z{star}: {line}")
 

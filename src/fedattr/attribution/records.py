@@ -49,6 +49,8 @@ class RoundRecord:
     decorrelated: bool | None = None
     """Calibrated statistic: whether cross-talk was undone with the design matrix."""
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What the round did differently, not a problem (e.g. a round the detector does not read)."""
     models_scored: int = 0
     """Models the detector read this round (reference, candidates, the SA mean's)."""
 

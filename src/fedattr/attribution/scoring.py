@@ -70,8 +70,9 @@ ApplyUpdate = Callable[[Any, Update], Any]
 class LinearScorer:
     """``Score(w) = <s, w> / scale``: the synthetic scorer of the protocol demo and tests."""
 
-    null_valid = True
-    """A random unit direction is exchangeable with the secret one (the calibrated null)."""
+    exchangeable_rounds: int | None = None
+    """A random unit direction is exchangeable with the secret one in every round (the
+    calibrated null)."""
 
     def __init__(self, direction: torch.Tensor, scale: float = 1.0) -> None:
         if scale <= 0:
@@ -97,8 +98,10 @@ class LinearScorer:
         return {DEFAULT_STATISTIC: Directions(self.direction.numel())}
 
     def owner_values(self, part: str, W: torch.Tensor) -> dict[str, float]:
-        """``<s, W>``."""
-        return {DEFAULT_STATISTIC: float(torch.dot(self.direction, W.double().reshape(-1)))}
+        """``<s, W> / ||s||``: read with the unit direction, as the random keys of
+        :meth:`key_laws` are (a longer ``s`` would otherwise scale the value, not its null)."""
+        unit = self.direction / self.direction.norm()
+        return {DEFAULT_STATISTIC: float(torch.dot(unit, W.double().reshape(-1)))}
 
     def key_statistics(
         self, reference: torch.Tensor, candidate: torch.Tensor, n: int, seed: int

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from ..errors import UserError
 from ..updates import add_update, scale_update
-from .calibrated import CalibratedNull, LinearKeyScorer, SpreadReporter
+from .calibrated import CalibratedNull, LinearKeyScorer, SpreadReporter, SteppedReading
 from .config import AttributionConfig
 from .records import Estimate, RoundEstimates, RoundRecord, TargetRecord
 from .scoring import (
@@ -222,6 +222,8 @@ class CalibratedStatistic(Statistic):
                 "attribution.statistic=calibrated: this detector's statistic is not linear in "
                 "the key; use watermark.detector=reading, or attribution.statistic=paper"
             )
+        if not self.calibrated.reads(estimates.round, scorer):
+            return self._unread(estimates, scorer, on_target)
         t0 = time.perf_counter()
         # The reference, every candidate and the SA mean: one batched read when the scorer
         # offers it (else lazily, one candidate's parameters at a time). The SA mean only
@@ -233,13 +235,17 @@ class CalibratedStatistic(Statistic):
         ):
             center = None
         extra = [] if center is None else [center]
+        step = self.config.reading_step
+        if step is None:
+            step = scorer.reading_step if isinstance(scorer, SteppedReading) else 1.0
+        read = [u if step == 1.0 else scale_update(u, step) for u in [*updates, *extra]]
         ref_obs, *observed = observe_all(
-            scorer, chain([reference], (apply(reference, u) for u in [*updates, *extra]))
+            scorer, chain([reference], (apply(reference, u) for u in read))
         )
         spread = []
         if isinstance(scorer, SpreadReporter):
             spread = [scorer.effective_contexts(ref_obs, obs) for obs in observed[: len(updates)]]
-        changes = [scorer.change(ref_obs, obs) for obs in observed]
+        changes = [_per_step(scorer.change(ref_obs, obs), step) for obs in observed]
         del observed
         middle = changes.pop() if center is not None else None
         display = self.calibrated.add_round(
@@ -258,6 +264,27 @@ class CalibratedStatistic(Statistic):
         for k, est in enumerate(estimates.estimates):
             contexts = spread[k] if spread else None
             self._keep(record, est, display[est.target], each, on_target, contexts)
+        return record
+
+    def _unread(
+        self, estimates: RoundEstimates, scorer: Any, on_target: OnTarget | None
+    ) -> RoundRecord:
+        """A round past the detector's exchangeable ones (``late_rounds = "skip"``): no model
+        is read, every target is recorded without a value."""
+        record = RoundRecord(
+            estimates.round,
+            list(estimates.participants),
+            {},
+            skipped=list(estimates.skipped),
+            dropouts=list(estimates.dropouts),
+            models_scored=0,
+        )
+        record.notes.append(
+            f"not read: the detector's key is exchangeable with a random one in rounds "
+            f"1..{scorer.exchangeable_rounds} only (attribution.late_rounds = skip)"
+        )
+        for est in estimates.estimates:
+            self._keep(record, est, {}, 0.0, on_target)
         return record
 
     def report(
@@ -280,6 +307,11 @@ class CalibratedStatistic(Statistic):
     def load(self, state: Mapping) -> None:
         super().load(state)
         self.calibrated.load(state["calibrated"])
+
+
+def _per_step(change: dict[str, Any], step: float) -> dict[str, Any]:
+    """A change read at ``w + step * estimate``, per unit of the estimate."""
+    return change if step == 1.0 else {k: v / step for k, v in change.items()}
 
 
 STATISTICS: dict[str, type[Statistic]] = {s.name: s for s in (PaperStatistic, CalibratedStatistic)}

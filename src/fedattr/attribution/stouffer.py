@@ -89,6 +89,10 @@ class AttributionReport:
     cross_talk: list[int] = field(default_factory=list)
     """Calibrated statistic: clients with a round whose cross-talk was kept (hardened mode):
     their p-values are not calibrated either."""
+    rounds_read: dict[str, int] = field(default_factory=dict)
+    """Calibrated statistic: owners whose evidence is read from rounds 1..n only (a key that
+    stays exchangeable with a random one only until the reference model learns the owner's
+    secret: FK, ``attribution.late_rounds = "skip"``)."""
 
     @property
     def flagged(self) -> list[int]:
@@ -119,6 +123,7 @@ class AttributionReport:
             "level": self.level,
             "uncalibrated": self.uncalibrated,
             "cross_talk": self.cross_talk,
+            "rounds_read": self.rounds_read,
             "tpr": self.tpr,
             "fpr": self.fpr,
             "flagged": self.flagged,

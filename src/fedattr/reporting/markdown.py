@@ -78,6 +78,13 @@ def attribution_table(report: AttributionReport) -> str:
                 "of other clients' updates, watermarked ones included; reported, never named "
                 "unless attribution.name_uncalibrated = true"
             )
+        if report.rounds_read:
+            read = ", ".join(f"{o} rounds 1..{n}" for o, n in report.rounds_read.items())
+            rule += (
+                f". Read only where the key is exchangeable with a random one: {read} (the "
+                "reference model learns an owner's facts from its watermarked clients; "
+                "attribution.late_rounds)"
+            )
         if report.uncalibrated:
             rule += (
                 f". Not calibrated: {', '.join(report.uncalibrated)} (a key the reference model "

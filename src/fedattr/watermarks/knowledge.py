@@ -243,10 +243,17 @@ class FKLikelihoodScorer:
         ps = self.attribute_pvalues(reference, candidate)
         return {o: fisher_z(ps[i].tolist()) for i, o in enumerate(self.owners)}
 
-    null_valid = False
-    """The true value is exchangeable with its decoys only while no model has seen it: from
-    the second round the reference has learned the owner's facts from the watermarked clients
-    (the calibrated statistic reports FK's p-values as uncalibrated)."""
+    exchangeable_rounds: int | None = 1
+    """The true value is exchangeable with its decoys only while no model has seen it: in
+    round 1, whose reference is the base model. From round 2 the reference has learned the
+    owner's facts from the watermarked clients, so the calibrated statistic reads round 1 only
+    (or, with ``attribution.late_rounds = "read"``, reports its p-values as uncalibrated)."""
+
+    reading_step = 0.01
+    """The calibrated statistic reads each estimate at 1% of its size (per unit of it): a learned
+    fact's log-probability saturates, and read as applied the second-order terms carry the
+    watermarked clients' facts into clean clients' recovered changes (see
+    ``attribution.reading_step``)."""
 
     def change(self, reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per owner: every candidate value's log-probability change, mean over questions

@@ -99,8 +99,9 @@ class KGWReadingScorer:
     sensitive than the difference of two greedy-generation z-scores on small models.
     """
 
-    null_valid = True
-    """A random key's green lists are exchangeable with the owner's (the calibrated null)."""
+    exchangeable_rounds: int | None = None
+    """A random key's green lists are exchangeable with the owner's in every round (the
+    calibrated null): no model is ever trained towards a key, only on text it marked."""
 
     def __init__(
         self,
