@@ -312,7 +312,9 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     assert set(direct["z"]["fk:owner0"]) == {"0", "1", "2", "3"}
     assert len(d["baselines"][2]["suspicious"]) == 4  # FLDetector predicted round 3
     folder = result.write(tiny_cache / f"fk-{detector}")
-    assert "## Baselines" in folder.file("report.md").read_text()
+    report = folder.file("report.md").read_text()
+    assert "## Baselines" in report
+    assert ("fk:owner0: round 1 only" in report) is (detector == "reading")
 
 
 @pytest.mark.slow

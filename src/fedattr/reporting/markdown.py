@@ -79,11 +79,17 @@ def attribution_table(report: AttributionReport) -> str:
                 "unless attribution.name_uncalibrated = true"
             )
         if report.rounds_read:
-            read = ", ".join(f"{o} rounds 1..{n}" for o, n in report.rounds_read.items())
+            spans: dict[int, list[str]] = {}
+            for owner, n in report.rounds_read.items():
+                spans.setdefault(n, []).append(owner)
+            read = "; ".join(
+                f"{', '.join(owners)}: {'round 1' if n == 1 else f'rounds 1-{n}'} only"
+                for n, owners in sorted(spans.items())
+            )
             rule += (
-                f". Read only where the key is exchangeable with a random one: {read} (the "
-                "reference model learns an owner's facts from its watermarked clients; "
-                "attribution.late_rounds)"
+                f". Read only where the key is exchangeable with a random one ({read}): later, "
+                "the reference model has learned the owner's facts from its watermarked "
+                "clients (attribution.late_rounds)"
             )
         if report.uncalibrated:
             rule += (
