@@ -239,12 +239,17 @@ class CalibratedNull:
         mean's (the center's) change, so the caller can skip reading that model."""
         return cross_talk(participants, targets, designs, self.decorrelate) is not None
 
+    @staticmethod
+    def _exchangeable(round_id: int, scorer: LinearKeyScorer) -> bool:
+        """Whether ``scorer``'s key is exchangeable with a random one in round ``round_id``."""
+        n = scorer.exchangeable_rounds
+        return n is None or round_id <= n
+
     def reads(self, round_id: int, scorer: LinearKeyScorer) -> bool:
         """Whether round ``round_id`` is read with ``scorer`` at all: not a round past the
         detector's exchangeable ones when ``late_rounds`` skips them (the caller then reads no
         model either)."""
-        n = scorer.exchangeable_rounds
-        return n is None or round_id <= n or self.late_rounds != "skip"
+        return self._exchangeable(round_id, scorer) or self.late_rounds != "skip"
 
     def add_round(
         self,
@@ -273,8 +278,8 @@ class CalibratedNull:
         )
         self.decorrelated[round_id] = decorrelated
         display: dict[int, dict[str, float]] = {}
+        valid = self._exchangeable(round_id, scorer)
         n = scorer.exchangeable_rounds
-        valid = n is None or round_id <= n
         for target, parts in zip(targets, standard, strict=True):
             values: dict[str, float] = {}
             owners: dict[str, str] = {}

@@ -238,9 +238,16 @@ class CalibratedStatistic(Statistic):
         step = self.config.reading_step
         if step is None:
             step = scorer.reading_step if isinstance(scorer, SteppedReading) else 1.0
-        read = [u if step == 1.0 else scale_update(u, step) for u in [*updates, *extra]]
+        # Scaled as each model is built (not all up front): a lazy read holds one candidate.
         ref_obs, *observed = observe_all(
-            scorer, chain([reference], (apply(reference, u) for u in read))
+            scorer,
+            chain(
+                [reference],
+                (
+                    apply(reference, u if step == 1.0 else scale_update(u, step))
+                    for u in [*updates, *extra]
+                ),
+            ),
         )
         spread = []
         if isinstance(scorer, SpreadReporter):
@@ -280,8 +287,8 @@ class CalibratedStatistic(Statistic):
             models_scored=0,
         )
         record.notes.append(
-            f"not read: the detector's key is exchangeable with a random one in rounds "
-            f"1..{scorer.exchangeable_rounds} only (attribution.late_rounds = skip)"
+            "not read: the detector's key is exchangeable with a random one up to round "
+            f"{scorer.exchangeable_rounds} only (attribution.late_rounds = skip)"
         )
         for est in estimates.estimates:
             self._keep(record, est, {}, 0.0, on_target)
