@@ -289,13 +289,15 @@ class _KeyedDeviceScorer(_DeviceScorer):
         return {"owner": float(W.reshape(-1)[0])}
 
 
-def test_calibrated_statistic_is_device_correct_too():
+@pytest.mark.parametrize("step", [None, 0.01])
+def test_calibrated_statistic_is_device_correct_too(step):
+    # step 0.01: the stepped reading (FK's) scales CPU estimates before they meet the device.
     sa = make_aggregator(SecAggConfig(backend="plaintext"))
     sa.open_round(1, range(10))
     for j in range(10):
         sa.submit(j, {"a": torch.randn(3, 2)})
     reference = {"a": torch.zeros(3, 2, device="meta")}
-    fed = FedAttr(AttributionConfig(null_keys=5))
+    fed = FedAttr(AttributionConfig(null_keys=5, reading_step=step))
     record = fed.attribute_round(
         1, sa, reference, _KeyedDeviceScorer("meta"), center=sa.subset_sum(range(10))
     )
