@@ -131,6 +131,10 @@ def test_unknown_detector_is_named():
     with pytest.raises(ConfigError, match=r"watermark\.teacher_batch: must be >= 1, got 0"):
         load(RunConfig, None, ["watermark.teacher_batch=0"])
     assert load(RunConfig, None, preset_overrides("smollm2")).watermark.teacher_batch == 128
+    # The CPU preset is the GPU one made smaller, later settings winning.
+    cpu = load(RunConfig, None, preset_overrides("smollm2-cpu"))
+    assert cpu.model.preset == "smollm2-135m"
+    assert (cpu.data.records, cpu.data.max_len, cpu.watermark.teacher_batch) == (500, 64, 32)
 
 
 def _literal_settings(cls, prefix=""):

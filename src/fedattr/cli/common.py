@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..pipeline.config import RunConfig
     from ..reporting.run_folder import RunFolder
 
-PRESET_HELP = "tiny (default, CPU) or smollm2 (GPU)"
+PRESET_HELP = "tiny (default, CPU), smollm2 (GPU) or smollm2-cpu (SmolLM2 sized for a CPU)"
 
 
 def config_options(

@@ -33,6 +33,7 @@ SETTINGS: tuple[tuple[str, str], ...] = (
 WATERMARK_OVERRIDES: dict[str, dict[str, list[str]]] = {
     "tiny": {"kgw": [], "fk": ["fl.train.epochs=3", "fl.train.lr=2e-3"]},
     "smollm2": {"kgw": [], "fk": ["watermark.fk_writer=teacher"]},
+    "smollm2-cpu": {"kgw": [], "fk": ["watermark.fk_writer=teacher"]},
 }
 """Per preset and watermark. The tiny FK runs train 3 local epochs at 2e-3: the paper's
 clients see each fabricated fact in ~5,000 documents per round, ours in 40, and a 2-layer
