@@ -72,7 +72,7 @@ def _cmd_experiment_tail_check(args: argparse.Namespace) -> int:
         from ..runtime import require_cuda
 
         require_cuda("--device")
-    write_tail_check(tail_check(args.run_dirs, args.draws, device=device), out)
+    write_tail_check(tail_check(args.run_dirs, args.draws, device=device, progress=say), out)
     print((out / "tail-check.md").read_text())
     return 0
 

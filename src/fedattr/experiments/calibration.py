@@ -336,13 +336,17 @@ def tail_check(
     seed: int = 0,
     levels: Sequence[float] = TAIL_LEVELS,
     device: str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """For every green-list change matrix saved by the runs (``changes.safetensors``) and every
     level ``p``: the value ``t`` the saddlepoint puts at ``p``, tilted Monte Carlo's estimate
     of ``P(<W, G> >= t)`` over random keys (``draws`` of them, each cell green with
     probability gamma), and the Chernoff bound at ``t``. ``device``: where torch draws the
-    keys (``cuda`` for vocabulary-sized changes); ``None``: numpy on the CPU."""
+    keys (``cuda`` for vocabulary-sized changes); ``None``: numpy on the CPU. ``progress``
+    hears one line per change checked (a vocabulary-sized one takes minutes on a CPU)."""
+    import itertools
     import json
+    import time
 
     import torch
     from safetensors.torch import load_file
@@ -374,7 +378,19 @@ def tail_check(
             if isinstance(law, RowSubsets) and law.m > 1:  # exact tails (FK, directions): none
                 jobs.append((run.name, int(client), part, law, W))
 
+    start, finished = time.perf_counter(), itertools.count(1)
+
     def check(job: tuple) -> list[dict]:
+        out = _check(job)
+        if progress is not None:
+            name, client, part = job[:3]
+            progress(
+                f"tail-check: {name} client {client} ({part}, {job[4].numel():,} cells) done, "
+                f"{next(finished)}/{len(jobs)} after {time.perf_counter() - start:.0f} s"
+            )
+        return out
+
+    def _check(job: tuple) -> list[dict]:
         name, client, part, law, W = job
         w = law.centre(W).numpy()
         scale = math.sqrt(law.cols / (law.cols - 1))
