@@ -30,10 +30,11 @@ SETTINGS: tuple[tuple[str, str], ...] = (
 )
 """(FL strategy, watermark) in the paper's column order."""
 
+_SMOLLM2_WATERMARKS = {"kgw": [], "fk": ["watermark.fk_writer=teacher"]}
 WATERMARK_OVERRIDES: dict[str, dict[str, list[str]]] = {
     "tiny": {"kgw": [], "fk": ["fl.train.epochs=3", "fl.train.lr=2e-3"]},
-    "smollm2": {"kgw": [], "fk": ["watermark.fk_writer=teacher"]},
-    "smollm2-cpu": {"kgw": [], "fk": ["watermark.fk_writer=teacher"]},
+    "smollm2": _SMOLLM2_WATERMARKS,
+    "smollm2-cpu": _SMOLLM2_WATERMARKS,  # the CPU preset is the GPU one made smaller
 }
 """Per preset and watermark. The tiny FK runs train 3 local epochs at 2e-3: the paper's
 clients see each fabricated fact in ~5,000 documents per round, ours in 40, and a 2-layer
