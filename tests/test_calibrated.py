@@ -465,3 +465,47 @@ def test_a_small_reading_step_makes_undoing_cross_talk_exact_for_a_curved_readin
     assert max(exact) < 1e-3 and min(applied) > 0.1
     with pytest.raises(ConfigError, match=r"attribution\.reading_step"):
         load(RunConfig, None, ["attribution.reading_step=0"])
+
+
+def test_reread_gives_a_finished_runs_verdicts_again_from_its_saved_changes(tmp_path, capsys):
+    """``--reread`` reads every run's verdicts again from ``changes.safetensors`` (no training):
+    with the tails that wrote them, the same p-values, flags and family-wise counts; a run
+    folder without saved changes is refused in one line."""
+    import json
+
+    from fedattr.experiments.calibration import reread_run
+
+    common = [
+        "experiment",
+        "calibration",
+        "--seeds",
+        "0-1",
+        "--r",
+        "0,3",
+        "--set",
+        "synthetic.dim=64",
+        "--set",
+        "secagg.backend=plaintext",
+        "--out",
+        str(tmp_path / "cal"),
+    ]
+    assert main(common) == 0
+    before = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    run = tmp_path / "cal" / "r3-seed1"
+    saved = json.loads((run / "results.json").read_text())
+    again = reread_run(run)
+    assert again["reread"] and again["flagged"] == saved["flagged"]
+    for old, new in zip(saved["clients"], again["clients"], strict=True):
+        assert new["log10_p"] == pytest.approx(old["log10_p"], abs=1e-5)
+        assert (new["tail"], new["p_rank"], new["z"]) == (old["tail"], old["p_rank"], old["z"])
+    assert main([*common, "--reread"]) == 0
+    after = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    assert after["reread"] and not before["reread"]
+    for name in ("calibrated", "paper"):
+        a, b = before["statistics"][name], after["statistics"][name]
+        assert a["runs_naming_clean"] == b["runs_naming_clean"] and a["tpr"] == b["tpr"]
+    assert "read again" in (tmp_path / "cal" / "calibration.md").read_text()
+    (run / "changes.safetensors").unlink()
+    capsys.readouterr()
+    assert main([*common, "--reread"]) == 2
+    assert "holds no changes.safetensors" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from fedattr.watermarks.tail import (
     BernoulliCells,
     Directions,
     RowDraws,
+    RowPatternsBound,
     RowSubsets,
     RowSubsetsBound,
     chernoff_log10_sf,
@@ -62,7 +63,10 @@ def test_chernoff_bounds_the_fixed_size_tail_from_above():
     T = (mask * torch.tensor(W)).sum((1, 2)).numpy()
     for t in (2.0, 5.0, 8.0):
         tail = law.tail(torch.tensor(W), t)
-        assert tail.method == "chernoff" and tail.p >= np.mean(t <= T)
+        # The patterns' bound is close to the exact tail here: Monte Carlo's own error counts.
+        mc = np.mean(t <= T)
+        assert tail.method in ("patterns", "chernoff")
+        assert tail.p >= mc - 3 * math.sqrt(mc * (1 - mc) / len(T))
     assert chernoff_log10_sf(RowDraws(W, 8), -1.0) == 0.0
 
 
@@ -267,4 +271,70 @@ def test_exact_large_cells_bound_the_fixed_size_tail_far_tighter_than_draws_with
     t = 0.8 * top
     assert RowSubsetsBound(W, m, k=0)(0.7) == pytest.approx(loose(0.7))
     law = RowSubsets(m, V)
-    assert law.tail(torch.tensor(W), t).log10_p == pytest.approx(chernoff_log10_sf(tight, t))
+    tail = law.tail(torch.tensor(W), t)
+    assert tail.method == "patterns" and tail.log10_p < chernoff_log10_sf(tight, t)
+    assert tail.p >= np.mean(t <= T)
+
+
+def _exact_fixed_size_tail(W: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every value of ``sum_x <W_x, G_x>`` over all keys (rows uniform m-subsets), sorted, with
+    its probability: by enumerating every subset of every row (small W only)."""
+    values, probs = np.zeros(1), np.ones(1)
+    for row in W:
+        subsets = list(itertools.combinations(range(len(row)), m))
+        sums = np.array([row[list(c)].sum() for c in subsets])
+        values = (values[:, None] + sums[None, :]).reshape(-1)
+        probs = (probs[:, None] * np.full(len(sums), 1 / len(sums))[None, :]).reshape(-1)
+    order = np.argsort(values)
+    return values[order], probs[order]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_patterns_bound_never_falls_below_the_exact_fixed_size_tail(seed):
+    """Every key enumerated (two rows, 220 subsets each): at every value the key can reach,
+    the patterns' bound is at or above the exact tail, and never above Chernoff's bound."""
+    rng = np.random.default_rng(seed)
+    V, m = 12, 3
+    W = 0.3 * rng.normal(size=(2, V))
+    W[:, 0] += 2.0 * rng.random(2)  # a dominant cell a row
+    W = _centred(W)
+    values, probs = _exact_fixed_size_tail(W, m)
+    sf = np.cumsum(probs[::-1])[::-1]
+    bound = RowPatternsBound(W, m)
+    for i in np.linspace(len(values) // 2, len(values) - 1, 40).astype(int):
+        t = float(values[i])
+        exact = float(sf[np.searchsorted(values, t - 1e-12)])
+        assert 10 ** bound.patterns_log10_sf(t) >= exact * (1 - 1e-9)
+        assert bound.tail(t).log10_p <= chernoff_log10_sf(bound.chernoff, t)
+
+
+def test_patterns_bound_is_near_the_exact_tail_where_few_rows_carry_the_change():
+    """Six rows, each with three dominant cells and the rest of the row flat (so nothing is
+    left over for Chernoff's bound): the patterns' bound is the exact tail up to its grid,
+    where Chernoff's bound is several times above it."""
+    rng = np.random.default_rng(3)
+    rows, V, m = 6, 256, 64
+    W = np.zeros((rows, V))
+    W[:, :3] = rng.normal(size=(rows, 3))
+    W = _centred(W)
+    # Exact: each row's law over which of its three cells are green (hypergeometric), the rest
+    # of the row adding its flat value once per other green cell.
+    flat = W[:, 3]
+    law_values, law_probs = np.zeros(1), np.ones(1)
+    for x in range(rows):
+        vals, ps = [], []
+        for pattern in itertools.product((0, 1), repeat=3):
+            j = sum(pattern)
+            vals.append(float(np.dot(pattern, W[x, :3])) + (m - j) * flat[x])
+            ps.append(math.comb(V - 3, m - j) / math.comb(V, m))
+        law_values = (law_values[:, None] + np.array(vals)[None, :]).reshape(-1)
+        law_probs = (law_probs[:, None] * np.array(ps)[None, :]).reshape(-1)
+    assert law_probs.sum() == pytest.approx(1.0)
+    bound = RowPatternsBound(W, m)
+    sd = bound.sd
+    for z in (2.0, 2.5, 3.0):
+        exact = float(law_probs[law_values >= z * sd].sum())
+        assert exact > 1e-5
+        got = 10 ** bound.patterns_log10_sf(z * sd)
+        assert exact <= got <= 1.1 * exact + 1e-9
+        assert 10 ** chernoff_log10_sf(bound.chernoff, z * sd) > 3 * got

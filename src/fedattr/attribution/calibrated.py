@@ -468,6 +468,58 @@ class CalibratedNull:
             calibrated=valid,
         )
 
+    @classmethod
+    def from_results(
+        cls,
+        results: Mapping[str, Any],
+        changes: Mapping[str, torch.Tensor],
+        seed: int = 0,
+        name_uncalibrated: bool = False,
+    ) -> CalibratedNull:
+        """The sums of a finished run, from its ``results.json`` and ``changes.safetensors``:
+        :meth:`report` then reads its verdicts again with this fedattr's tails (no training,
+        no model). Each owner's value is its ``Z`` times the change's null standard deviation;
+        the saved changes are float32, so p agrees with the run's own to about six digits where
+        the tail method is the same. ``seed``: the rank check's (``attribution.seed``)."""
+        laws = results.get("key_laws") or {}
+        if results.get("statistic") != "calibrated" or not laws:
+            raise UserError(
+                "RUN_DIR: the run was not read with the calibrated statistic (no key laws in "
+                "its results.json); there is nothing to read again"
+            )
+        if len(laws) != 1:
+            raise UserError(
+                f"RUN_DIR: the run's owners read {len(laws)} key laws ({', '.join(laws)}); "
+                "reading again needs one (results.json does not say which owner reads which)"
+            )
+        part, desc = next(iter(laws.items()))
+        law = law_from_dict(desc)
+        null = cls(
+            float(results["alpha"]),
+            null_keys=int(results.get("null_keys") or 0),
+            seed=seed,
+            name_uncalibrated=name_uncalibrated,
+        )
+        null.laws = {part: dict(desc)}
+        uncalibrated = set(results.get("uncalibrated", []))
+        for owner, rows in results["by_statistic"].items():
+            null.parts[owner], null.valid[owner] = part, owner not in uncalibrated
+            for cid, row in rows.items():
+                W = changes.get(f"{cid}/{part}")
+                if W is None:
+                    continue
+                W = W.to(torch.float64)
+                null.W.setdefault(int(cid), {})[part] = W
+                sd = math.sqrt(law.variance(W))
+                null.values.setdefault(int(cid), {})[owner] = float(row["Z"]) * sd
+        for row in results["clients"]:  # the per-round display of each client's best owner
+            null.per_round.setdefault(row["id"], {})[row["statistic"]] = {
+                int(t): v for t, v in row.get("z", {}).items()
+            }
+        null.cross_talk = set(results.get("cross_talk", []))
+        null.rounds_read = dict(results.get("rounds_read", {}))
+        return null
+
     def state(self) -> dict:
         """For checkpoints."""
         return {

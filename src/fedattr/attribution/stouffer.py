@@ -44,8 +44,8 @@ class ClientAttribution:
     """Calibrated statistic only: the rank p-value among the null keys (resolution
     ``1 / (null_keys + 1)``; Bonferroni-adjusted over owners in a combined report)."""
     tail: str | None = None
-    """Calibrated statistic only: how ``p`` was obtained (``exact``, ``saddlepoint`` or
-    ``chernoff``, an upper bound; see :mod:`fedattr.watermarks.tail`)."""
+    """Calibrated statistic only: how ``p`` was obtained (``exact``, ``saddlepoint``, or
+    an upper bound: ``patterns`` or ``chernoff``; see :mod:`fedattr.watermarks.tail`)."""
     calibrated: bool = True
     """Whether ``p`` is calibrated: ``False`` for a detector whose key is not exchangeable with
     a random one after the first round (FK); such a client is not named by default."""

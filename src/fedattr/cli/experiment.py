@@ -54,6 +54,7 @@ def _cmd_experiment_calibration(args: argparse.Namespace) -> int:
         args.config,
         args.set,
         args.jobs,
+        args.reread,
     )
     out = args.out or f"runs/calibration-{args.bed}"
     return _experiment(lambda say: run_calibration(spec, out, say), out, "calibration.md")
@@ -161,6 +162,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="runs in parallel processes, one thread each (default 1)",
+    )
+    cal.add_argument(
+        "--reread",
+        action="store_true",
+        help="read every finished run's verdicts again from its saved change matrices with "
+        "this fedattr's tails (no training) before summarising",
     )
     cal.set_defaults(func=_cmd_experiment_calibration)
     tc = exp_sub.add_parser(
