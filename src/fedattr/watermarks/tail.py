@@ -252,7 +252,8 @@ class RowPatternsBound:
     the minimum runs over a fixed grid of ``s`` (each ``s`` gives a bound), and
     :attr:`FFT_MARGIN` covers the FFT's rounding. Where ``B`` is small against ``A`` this is
     close to the exact tail; where it is not, it is never worse than Chernoff's bound on ``T``
-    (the smaller of the two is returned)."""
+    (the smaller of the two is returned; the patterns are read only where Chernoff's bound is
+    below :attr:`READ_BELOW`)."""
 
     MAX_ROWS = 128
     BINS_PER_SD = 4000
@@ -260,7 +261,10 @@ class RowPatternsBound:
     FFT_MARGIN = 1e-10
     """Added to the bound for the FFT's rounding (measured: 1e-15 summed over a real change's
     60,000 bins, against direct convolution)."""
-    S_GRID = np.geomspace(1e-2, 1e3, 121)
+    READ_BELOW = 0.1
+    """Read the patterns only where Chernoff's bound is below this: above it no verdict is near,
+    and on a vocabulary-sized change the patterns take seconds."""
+    S_GRID = np.geomspace(1e-2, 1e3, 61)
     """Values of ``s`` (in units of ``1 / sd(T)``) over which Chernoff's bound on ``B`` is read."""
 
     def __init__(self, W: np.ndarray, m: int, k: int = 16) -> None:
@@ -351,7 +355,7 @@ class RowPatternsBound:
         """The smaller of the two bounds at ``t``, and which it was (``patterns`` or
         ``chernoff``)."""
         chernoff = chernoff_log10_sf(self.chernoff, t)
-        if chernoff >= 0.0:
+        if chernoff >= math.log10(self.READ_BELOW):
             return Tail(chernoff, "chernoff")
         patterns = self.patterns_log10_sf(t)
         return Tail(patterns, "patterns") if patterns < chernoff else Tail(chernoff, "chernoff")
