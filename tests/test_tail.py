@@ -228,9 +228,12 @@ def test_tail_check_command_reads_saved_changes_and_checks_every_level(tmp_path,
     ]
     for r in rows:
         assert r["effective_cells"] > 30 and 0.6 < r["ratio"] < 1.6
-        assert r["chernoff"] >= r["monte_carlo"]
+        assert r["chernoff"] >= r["bound"] >= r["monte_carlo"]
     captured = capsys.readouterr()
     assert "Chernoff bound at or above Monte Carlo: 12 of 12" in captured.out
+    assert "the verdict's bound (the smaller of Chernoff's and the patterns' bound): 12 of 12" in (
+        captured.out
+    )
     # One progress line per change, on standard error (a vocabulary-sized one takes minutes).
     assert captured.err.count("tail-check: run client") == 3 and "3/3 after" in captured.err
     if not torch.cuda.is_available():
