@@ -293,13 +293,14 @@ def _exact_fixed_size_tail(W: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarra
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_patterns_bound_never_falls_below_the_exact_fixed_size_tail(seed):
-    """Every key enumerated (two rows, 220 subsets each): at every value the key can reach,
-    the patterns' bound is at or above the exact tail, and never above Chernoff's bound."""
+@pytest.mark.parametrize(("rows", "V", "m"), [(2, 12, 3), (4, 6, 1)])
+def test_patterns_bound_never_falls_below_the_exact_fixed_size_tail(seed, rows, V, m):
+    """Every key enumerated (two rows of 220 subsets; four rows of one pick in six): at every
+    value the key can reach, the patterns' bound is at or above the exact tail, and the
+    verdict's bound never above Chernoff's."""
     rng = np.random.default_rng(seed)
-    V, m = 12, 3
-    W = 0.3 * rng.normal(size=(2, V))
-    W[:, 0] += 2.0 * rng.random(2)  # a dominant cell a row
+    W = 0.3 * rng.normal(size=(rows, V))
+    W[:, 0] += 2.0 * rng.random(rows)  # a dominant cell a row
     W = _centred(W)
     values, probs = _exact_fixed_size_tail(W, m)
     sf = np.cumsum(probs[::-1])[::-1]
