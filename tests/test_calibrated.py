@@ -299,6 +299,11 @@ def test_calibration_in_parallel_processes_gives_the_same_runs_and_family_wise_c
     one = json.loads((tmp_path / "one" / "calibration.json").read_text())["statistics"]
     cal = one["calibrated"]
     assert 0 <= cal["runs_naming_clean"] <= 6 and len(cal["runs_naming_clean_ci95"]) == 2
+    # Read again in two processes: the same summary, in the same order.
+    assert main([*common, "--jobs", "2", "--reread", "--out", str(tmp_path / "two")]) == 0
+    again = json.loads((tmp_path / "two" / "calibration.json").read_text())
+    assert again["reread"]
+    assert again["statistics"]["calibrated"]["null_p"] == pytest.approx(cal["null_p"], rel=1e-4)
     assert main([*common, "--jobs", "0", "--out", str(tmp_path / "bad")]) == 2
 
 
