@@ -214,23 +214,27 @@ def test_calibrated_needs_a_detector_with_random_keys():
     assert LinearScorer  # the synthetic scorer has key statistics (used above)
 
 
-@pytest.mark.slow
-def test_calibration_command_writes_its_files_and_resumes(tmp_path, capsys):
-    out = tmp_path / "cal"
-    args = [
+def _synthetic_calibration(seeds: str, *extra: str) -> list[str]:
+    """``experiment calibration`` on a small, quick synthetic bed (r = 0 and 3)."""
+    return [
         "experiment",
         "calibration",
         "--seeds",
-        "0-2",
+        seeds,
         "--r",
         "0,3",
-        "--out",
-        str(out),
+        *extra,
         "--set",
         "synthetic.dim=64",
         "--set",
         "secagg.backend=plaintext",
     ]
+
+
+@pytest.mark.slow
+def test_calibration_command_writes_its_files_and_resumes(tmp_path, capsys):
+    out = tmp_path / "cal"
+    args = _synthetic_calibration("0-2", "--out", str(out))
     assert main(args) == 0
     assert {p.name for p in out.iterdir()} >= {
         "calibration.json",
@@ -276,18 +280,7 @@ def test_token_centring_removes_drift_no_key_sees_and_keeps_the_null_exact():
 
 @pytest.mark.slow
 def test_calibration_in_parallel_processes_gives_the_same_runs_and_family_wise_counts(tmp_path):
-    common = [
-        "experiment",
-        "calibration",
-        "--seeds",
-        "0-2",
-        "--r",
-        "0,3",
-        "--set",
-        "synthetic.dim=64",
-        "--set",
-        "secagg.backend=plaintext",
-    ]
+    common = _synthetic_calibration("0-2")
     assert main([*common, "--out", str(tmp_path / "one")]) == 0
     assert main([*common, "--jobs", "2", "--out", str(tmp_path / "two")]) == 0
     import json
@@ -480,20 +473,7 @@ def test_reread_gives_a_finished_runs_verdicts_again_from_its_saved_changes(tmp_
 
     from fedattr.experiments.calibration import reread_run
 
-    common = [
-        "experiment",
-        "calibration",
-        "--seeds",
-        "0-1",
-        "--r",
-        "0,3",
-        "--set",
-        "synthetic.dim=64",
-        "--set",
-        "secagg.backend=plaintext",
-        "--out",
-        str(tmp_path / "cal"),
-    ]
+    common = _synthetic_calibration("0-1", "--out", str(tmp_path / "cal"))
     assert main(common) == 0
     before = json.loads((tmp_path / "cal" / "calibration.json").read_text())
     run = tmp_path / "cal" / "r3-seed1"

@@ -113,6 +113,17 @@ def _one_run(
     return False
 
 
+def _saved_changes(run: Path) -> Path:
+    """A run folder's ``changes.safetensors``, or one line saying it has none."""
+    file = run / "changes.safetensors"
+    if not file.is_file():
+        raise UserError(
+            f"RUN_DIR: {str(run)!r} holds no changes.safetensors (a run with the calibrated "
+            "statistic writes it)"
+        )
+    return file
+
+
 def reread_run(folder: str | Path) -> dict:
     """A finished run's ``results.json`` with its calibrated verdicts read again from its
     ``changes.safetensors`` by this fedattr's tails (the run folder is left as it is)."""
@@ -126,12 +137,7 @@ def reread_run(folder: str | Path) -> dict:
 
     run = RunFolder(folder)
     results = run.results()
-    file = Path(folder) / "changes.safetensors"
-    if not file.is_file():
-        raise UserError(
-            f"RUN_DIR: {str(folder)!r} holds no changes.safetensors (a run with the calibrated "
-            "statistic writes it)"
-        )
+    file = _saved_changes(Path(folder))
     attribution = json.loads((Path(folder) / "config.json").read_text()).get("attribution", {})
     null = CalibratedNull.from_results(
         results,
@@ -438,12 +444,7 @@ def tail_check(
 
     jobs = []
     for run in map(Path, run_dirs):
-        file = run / "changes.safetensors"
-        if not file.is_file():
-            raise UserError(
-                f"RUN_DIR: {str(run)!r} holds no changes.safetensors (a run with "
-                "the calibrated statistic writes it)"
-            )
+        file = _saved_changes(run)
         laws = json.loads((run / "results.json").read_text()).get("key_laws", {})
         for name, W in sorted(load_file(str(file)).items()):
             client, part = name.split("/", 1)

@@ -278,30 +278,23 @@ class RowPatternsBound:
     def _build(self) -> None:
         """The chosen rows' patterns and their convolution (once, on the first tail read)."""
         W, m, k = self.W, self.m, self.k
-        rows, cols = W.shape
-        top = np.argpartition(-np.abs(W), k - 1, axis=1)[:, :k]
-        large = np.take_along_axis(W, top, axis=1)
+        # Chernoff's bound already split each row into its k largest cells and the rest.
+        large, small = self.chernoff.large, self.chernoff.small
         energy = (large * large).sum(axis=1)
         chosen = np.argsort(-energy, kind="stable")[: self.MAX_ROWS]
         chosen = chosen[energy[chosen] > 0]
-        others = np.setdiff1d(np.arange(rows), chosen)
+        others = np.setdiff1d(np.arange(len(W)), chosen)
         # The other rows carry little of the change: their largest few cells read exactly suffice.
         self.others = RowSubsetsBound(W[others], m, min(k, 2)) if len(others) else None
-        rest = np.ones(W.shape, dtype=bool)
-        np.put_along_axis(rest, top, False, axis=1)
-        rest_cells = W[rest].reshape(rows, cols - k)[chosen]
-        mu = rest_cells.mean(axis=1)
-        self.rest = rest_cells - mu[:, None]
+        mu = small[chosen].mean(axis=1)
+        self.rest = small[chosen] - mu[:, None]
         # Every pattern of the chosen rows' k largest cells: its sum plus the rest's mean.
         sums, count = np.zeros((len(chosen), 1)), np.zeros(1, dtype=np.int64)
         for i in range(k):
             sums = np.concatenate([sums, sums + large[chosen, i : i + 1]], axis=1)
             count = np.concatenate([count, count + 1])
         A = sums + (m - count)[None, :] * mu[:, None]
-        log_pattern = np.array(
-            [_log_comb(cols - k, m - j) - _log_comb(cols, m) for j in range(k + 1)]
-        )
-        prob = np.exp(log_pattern[count])
+        prob = np.exp(self.chernoff.log_pattern[count])
         self.P, self.lo, self.h = self._convolve(A, prob) if len(chosen) else (None, 0.0, 0.0)
         self._K: np.ndarray | None = None
         self._built = True
