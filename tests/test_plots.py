@@ -293,3 +293,72 @@ def test_the_calibrated_plot_draws_the_verdict_that_results_json_states(tmp_path
         assert any(c.flagged for c in clients) and not all(c.flagged for c in clients)
     finally:
         plt.close(fig)
+
+
+def _calibrated_report(K):
+    """A calibrated report of ``K`` clients: every fifth watermarked, client 0's p far below
+    the drawn top (its bar at 50), the others named or not by the alpha / K cut."""
+    from fedattr.attribution.stouffer import AttributionReport, ClientAttribution
+
+    rng = np.random.default_rng(K)
+    clients = []
+    for cid in range(K):
+        marked = cid % 5 == 0
+        log10_p = -60.0 if cid == 0 else -float(rng.uniform(4, 12) if marked else rng.uniform(0, 1))
+        z = {t: float(rng.normal(2.5 if marked else 0.0)) for t in range(1, 6)}
+        flagged = log10_p < math.log10(0.01 / K)
+        clients.append(
+            ClientAttribution(cid, z, 0.0, 10**log10_p, log10_p, flagged, marked, "calibrated")
+        )
+    return AttributionReport(1.0, clients, statistic="calibrated", alpha=0.01)
+
+
+@pytest.mark.parametrize("K", [10, 100])
+def test_the_verdict_legend_covers_no_bar_and_the_stars_stand_out(K):
+    """Issue 37: the legend sat inside the axes over the tallest bars and client 0's star,
+    and the stars read pale. Now the legend is under the axes, each named client has a
+    black, white-edged star above its bar, and the written client ids do not overlap."""
+    fig = build_attribution_figure(_calibrated_report(K))
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        ax = fig.axes[1]
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert not legend.overlaps(ax.get_window_extent(renderer)), "legend inside the axes"
+        stars = [ln for ln in ax.get_lines() if ln.get_marker() == "*"]
+        named = [c for c in _calibrated_report(K).clients if c.flagged]
+        assert len(stars) == len(named) and any(c.id == 0 for c in named)
+        for star in stars:
+            box = star.get_window_extent(renderer)
+            assert not box.overlaps(legend)
+            assert matplotlib.colors.to_hex(star.get_markerfacecolor()) == "#000000"
+            assert matplotlib.colors.to_hex(star.get_markeredgecolor()) == "#ffffff"
+            assert star.get_zorder() > max(p.get_zorder() for p in ax.patches)
+        for bar in ax.patches:
+            assert not bar.get_window_extent(renderer).overlaps(legend)
+        # client 0's star (at the drawn top, 50) is inside the figure, not clipped away
+        top = max(stars, key=lambda s: s.get_ydata()[0]).get_window_extent(renderer)
+        assert top.y1 <= fig.bbox.y1
+        ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+        assert len(ticks) <= 25
+        for a, b in itertools.pairwise(sorted(ticks, key=lambda b: b.x0)):
+            assert a.x1 <= b.x0, "client ids overlap"
+    finally:
+        plt.close(fig)
+
+
+def test_a_hundred_lines_keep_readable_labels_and_the_named_ones():
+    """At K = 100 the label column cannot hold 100 labels apart: the named clients' labels are
+    kept, the others fill what room is left, and none overlap."""
+    fig = build_attribution_figure(_calibrated_report(100))
+    try:
+        fig.canvas.draw()
+        ax_z = fig.axes[0]
+        boxes = _label_boxes(ax_z)
+        named = {str(c.id) for c in _calibrated_report(100).clients if c.flagged}
+        assert named <= set(boxes) and len(boxes) < 100
+        items = sorted(boxes.values(), key=lambda b: b.y0)
+        for a, b in itertools.pairwise(items):
+            assert a.y1 <= b.y0 + 0.5, "labels overlap"
+    finally:
+        plt.close(fig)

@@ -116,12 +116,16 @@ def _label_column(
     entries: Sequence[tuple[float, float, str, str]],
     x_min: float,
     x_last: float,
+    first: frozenset[str] = frozenset(),
 ) -> None:
     """Label each line at its last point ``(x, y, text, colour)`` in a column right of ``x_last``.
 
     Labels are spread vertically ``_LABEL_GAP_PT`` apart (within the y range) and joined to their
     point by a thin leader line; the x range is widened so the column lies inside the axes. The
     figure's layout must already be done (its axes' size is what converts points to data).
+    When more labels than fit that far apart are asked for (a hundred clients), the labels
+    ``first`` (the named clients) are kept, then those of the lines ending farthest from the
+    others; the rest are left out rather than drawn over each other.
     """
     fig = ax.figure
     renderer = fig.canvas.get_renderer()
@@ -152,6 +156,14 @@ def _label_column(
     lo, hi = y0 + gap / 2, y1 - gap / 2
     if hi < lo:  # an axes lower than one label
         lo = hi = (y0 + y1) / 2
+    capacity = int((hi - lo) / gap) + 1 if gap > 0 else len(entries)
+    if len(entries) > capacity:
+        centre = sum(y for _, y, _, _ in entries) / len(entries)
+        rank = sorted(
+            range(len(entries)),
+            key=lambda i: (entries[i][2] not in first, -abs(entries[i][1] - centre)),
+        )
+        entries = [entries[i] for i in sorted(rank[: max(capacity, 1)])]
     ys = spread_labels([y for _, y, _, _ in entries], gap, lo=lo, hi=hi)
     for (x, y, text, colour), y_text in zip(entries, ys, strict=True):
         ax.annotate(
@@ -206,12 +218,13 @@ def build_attribution_figure(report: AttributionReport) -> Figure:
         if math.isfinite(cumulative[-1]):
             labels_s.append((xs[-1], cumulative[-1], str(c.id), colour))
         if c.flagged:
-            ax_s.plot(xs[-1], cumulative[-1], marker="*", ms=12, color="black", zorder=3)
+            ax_s.plot(xs[-1], cumulative[-1], **_STAR)
     ax_z.axhline(0, color="black", lw=0.6)
     ax_z.set(title="per-round differential score $z_i^t$", xlabel="round t", ylabel="z")
+    named = frozenset(str(c.id) for c in report.clients if c.flagged)
     if report.statistic == "calibrated":
         _verdict_panel(ax_s, report)
-        _label_column(ax_z, labels_z, *_round_axis(ax_z, all_rounds, fig))
+        _label_column(ax_z, labels_z, *_round_axis(ax_z, all_rounds, fig), first=named)
         return fig
     ax_s.axhline(report.gamma, color="black", ls="--", lw=1)
     ax_s.set(title="cumulative Stouffer $Z_i$ (★ flagged)", xlabel="rounds so far", ylabel="Z")
@@ -222,7 +235,7 @@ def build_attribution_figure(report: AttributionReport) -> Figure:
     if any(c.watermarked is None for c in report.clients):
         handles.append(plt.Line2D([], [], color=_COLOURS[None], label="unknown"))
     handles.append(plt.Line2D([], [], color="black", ls="--", label=f"γ = {report.gamma:g}"))
-    ax_s.legend(handles=handles, loc="upper left", fontsize=8)
+    _legend_below(ax_s, handles)
     if not all_rounds:
         return fig
     x_last = all_rounds[-1]
@@ -241,8 +254,8 @@ def build_attribution_figure(report: AttributionReport) -> Figure:
         ax.set_xlim(x_min, x_last + 0.3)
         ax.set_ylim(ax.get_ylim())  # freeze: the labels are placed in this range
     fig.draw_without_rendering()  # lay out, so the axes' size in points is known
-    _label_column(ax_z, labels_z, x_min, x_last)
-    _label_column(ax_s, labels_s, x_min, x_last)
+    _label_column(ax_z, labels_z, x_min, x_last, first=named)
+    _label_column(ax_s, labels_s, x_min, x_last, first=named)
     return fig
 
 
@@ -261,6 +274,36 @@ def _round_axis(ax, all_rounds: list[int], fig) -> tuple[float, float]:
     return x_min, x_last
 
 
+def _legend_below(ax: Axes, handles: list) -> None:
+    """The legend in one row under the axes: outside them, it never covers a bar, a line or a
+    star (inside, it hid the tops of the tallest bars and their stars)."""
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.14),
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
+        handlelength=1.6,
+        columnspacing=1.2,
+    )
+
+
+_STAR = {
+    "marker": "*",
+    "ms": 14,
+    "color": "black",
+    "mec": "white",
+    "mew": 1.0,
+    "zorder": 4,
+    "clip_on": False,
+    "linestyle": "none",
+}
+"""A named client's star: black with a white edge, seen on a red bar, a blue line or white."""
+_MAX_CLIENT_TICKS = 25
+"""Above this many clients, only every n-th client id is written under the bars."""
+
+
 def _verdict_panel(ax, report: AttributionReport) -> None:
     """The calibrated verdict as it is decided: each client's ``-log10 p`` (Bonferroni over
     owners) against the cut ``-log10(alpha / K)``; named clients (★) are above it."""
@@ -274,19 +317,18 @@ def _verdict_panel(ax, report: AttributionReport) -> None:
         if not c.calibrated:
             bar.set_hatch("//")
         if c.flagged:
-            ax.plot(
-                bar.get_x() + bar.get_width() / 2,
-                bar.get_height(),
-                marker="*",
-                ms=12,
-                color="black",
-                zorder=3,
-            )
+            ax.plot(bar.get_x() + bar.get_width() / 2, bar.get_height(), **_STAR)
     ax.axhline(cut, color="black", ls="--", lw=1)
-    ax.set_xticks(range(K), [str(i) for i in ids])
+    # Room above the tallest bar for its star (drawn at the bar's top).
+    ax.set_ylim(0, 1.1 * max([cut, *heights]))
+    steps = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+    step = next((n for n in steps if K / n <= _MAX_CLIENT_TICKS), K)
+    shown = range(0, K, step)
+    ax.set_xticks(list(shown), [str(ids[i]) for i in shown])
+    ax.set_xlim(-0.7, K - 0.3)
     ax.set(
         title="verdict: $-\\log_{10} p$ of each client (★ named; drawn up to 50)",
-        xlabel="client",
+        xlabel="client" if step == 1 else f"client (one id in {step} written)",
         ylabel="$-\\log_{10} p$ (exact tail, Bonferroni over owners)",
     )
     import matplotlib.pyplot as plt
@@ -295,6 +337,7 @@ def _verdict_panel(ax, report: AttributionReport) -> None:
         plt.Line2D([], [], color=_COLOURS[k], lw=6, label=lab)
         for k, lab in ((True, "watermarked"), (False, "clean"))
     ]
+    handles.append(plt.Line2D([], [], linestyle="none", label="named", **_legend_star()))
     handles.append(
         plt.Line2D(
             [],
@@ -304,7 +347,12 @@ def _verdict_panel(ax, report: AttributionReport) -> None:
             label=f"α/K = {10**-cut:.1g} (family-wise α = {report.alpha})",
         )
     )
-    ax.legend(handles=handles, loc="upper left", fontsize=8)
+    _legend_below(ax, handles)
+
+
+def _legend_star() -> dict:
+    """The star's style for a legend handle (no clipping or layering there)."""
+    return {k: v for k, v in _STAR.items() if k not in ("zorder", "clip_on", "linestyle")}
 
 
 def plot_attribution(report: AttributionReport, path: str | Path) -> Path:
