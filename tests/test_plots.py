@@ -362,3 +362,11 @@ def test_a_hundred_lines_keep_readable_labels_and_the_named_ones():
             assert a.y1 <= b.y0 + 0.5, "labels overlap"
     finally:
         plt.close(fig)
+
+
+def test_a_calibrated_report_without_clients_is_drawn(tmp_path):
+    """A run with ``attribution.scoring = "owner"`` writes its plot before any owner scored."""
+    from fedattr.attribution.stouffer import AttributionReport
+
+    empty = AttributionReport(1.0, [], statistic="calibrated", alpha=0.01)
+    assert plot_attribution(empty, tmp_path / "empty.png").stat().st_size > 0

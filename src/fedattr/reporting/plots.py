@@ -323,7 +323,7 @@ def _verdict_panel(ax, report: AttributionReport) -> None:
     ax.set_ylim(0, 1.1 * max([cut, *heights]))
     steps = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
     step = next((n for n in steps if K / n <= _MAX_CLIENT_TICKS), K)
-    shown = range(0, K, step)
+    shown = range(0, len(ids), step)  # none before the owners have scored (scoring=owner)
     ax.set_xticks(list(shown), [str(ids[i]) for i in shown])
     ax.set_xlim(-0.7, K - 0.3)
     ax.set(
