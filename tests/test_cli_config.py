@@ -262,3 +262,72 @@ def test_the_plain_sum_baseline_is_timed_after_a_warm_up(monkeypatch):
     monkeypatch.setattr(bench.statistics, "median", lambda xs: timed.append(len(xs)) or 0.0)
     bench._plain_sum_ms([Vector(), Vector()], "cpu", repeats=1)
     assert timed == [bench.PLAIN_SUM_REPEATS] and len(sums) == bench.PLAIN_SUM_REPEATS + 1
+
+
+def test_files_that_are_not_utf8_are_one_line(tmp_path, capsys):
+    """Issue 37, item 1: a non-UTF-8 file was a UnicodeDecodeError traceback (``owner
+    watermark --in``; the same for ``--config``, ``data.path``, ``owner detect --texts``)."""
+    binary = b'{"instruction": "\xd0\xff", "output": "x"}\n'
+    (tmp_path / "bin.json").write_bytes(b'{"fl": "\xd0\xff"}')
+    (tmp_path / "bin.jsonl").write_bytes(binary)
+    from fedattr.watermarks.keys import generate_key, save_key
+
+    key = str(save_key(generate_key(), tmp_path / "owner.key"))
+    cases = [
+        (["run", "--config", str(tmp_path / "bin.json")], "--config"),
+        (["run", "--set", f"data.path={tmp_path / 'bin.jsonl'}"], "data.path"),
+        (
+            [
+                "owner",
+                "watermark",
+                "--key",
+                key,
+                "--in",
+                str(tmp_path / "bin.jsonl"),
+                "--out",
+                str(tmp_path / "wm.jsonl"),
+            ],
+            "--in",
+        ),
+        (
+            [
+                "owner",
+                "detect",
+                "--key",
+                key,
+                "--model",
+                "tiny",
+                "--detector",
+                "greedy",
+                "--texts",
+                str(tmp_path / "bin.jsonl"),
+            ],
+            "--texts",
+        ),
+    ]
+    for argv, option in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert f"{option}: " in err and "is not UTF-8 text" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin.json", "bin.jsonl", "owner.key"]
+
+
+def test_every_option_of_every_command_has_help():
+    """Issue 37, item 6: ``audit --help`` showed ``--json`` with no description."""
+    import argparse
+
+    from fedattr.cli import build_parser
+
+    missing = []
+
+    def walk(parser, prefix):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, [*prefix, name])
+            elif action.dest != "help" and not action.help:
+                missing.append(" ".join([*prefix, *(action.option_strings or [action.dest])]))
+
+    walk(build_parser(), [])
+    assert missing == []

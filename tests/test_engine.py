@@ -385,3 +385,63 @@ def test_a_folder_written_before_a_setting_existed_is_read_with_its_default(tmp_
     (tmp_path / "old" / CONFIG).write_text(json.dumps(saved))
     with pytest.raises(UserError, match="another configuration"):
         folder.claim(cfg, reuse=True)
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_an_unwritable_run_folder_is_one_line_and_blocks_no_corrected_run(
+    tmp_path, monkeypatch, capsys
+):
+    """Issue 37, item 1: ``--out`` that cannot be written was a PermissionError traceback.
+    Tests run as root here, and a read-only folder does not stop root: an unwritable parent
+    is simulated by a *regular file* standing where the parent folder should be, and an
+    existing empty folder that refuses ``config.json`` by a write that fails with EACCES."""
+    from pathlib import Path
+
+    demo = ["demo-protocol", "--quiet", "--set", "synthetic.dim=32", "--set", "synthetic.rounds=1"]
+    blocker = tmp_path / "ro"
+    blocker.write_text("a file, not a folder")
+    for argv in (
+        ["run", "--out", str(blocker / "run1")],  # refused before any training
+        [*demo, "--out", str(blocker / "deeper" / "run1")],
+    ):
+        assert main(argv) == 2
+        assert f"--out: '{blocker}' is a file, not a folder" in _one_line(capsys)
+    assert blocker.read_text() == "a file, not a folder"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    real_write = Path.write_text
+
+    def refuse(self, *args, **kwargs):
+        if self.name == "config.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    assert main([*demo, "--out", str(empty)]) == 2
+    assert f"--out: '{empty}' cannot be written (Permission denied)" in _one_line(capsys)
+    assert main([*demo, "--out", str(tmp_path / "new" / "run")]) == 2
+    _one_line(capsys)
+    assert not (tmp_path / "new").exists()  # the folders the claim made are gone again
+    monkeypatch.undo()
+    assert empty.is_dir() and not any(empty.iterdir())
+    assert main([*demo, "--out", str(empty)]) == 0  # the corrected run takes the same folder
+    assert (empty / "results.json").is_file()
+
+
+def test_audit_and_attribute_say_what_the_argument_is(tmp_path, capsys):
+    """Issue 37, item 6: a missing folder was said to hold no rounds, a file to lack
+    queries.jsonl."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    missing = tmp_path / "nonexistent"
+    for command in ("audit", "attribute"):
+        assert main([command, str(missing)]) == 2
+        assert f"RUN_DIR: '{missing}' does not exist; give a run folder" in _one_line(capsys)
+        assert main([command, str(afile)]) == 2
+        assert f"RUN_DIR: '{afile}' is a file; give a run folder" in _one_line(capsys)

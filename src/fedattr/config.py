@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
-from .errors import UserError, require_file
+from .errors import UserError, read_text, require_file
 
 T = TypeVar("T")
 
@@ -192,9 +192,9 @@ def read_file(path: str | Path, option: str = "--config") -> dict[str, Any]:
     p = require_file(path, option, "a .json or .toml configuration file", error=ConfigError)
     try:
         if p.suffix == ".json":
-            data = json.loads(p.read_text())
+            data = json.loads(read_text(p, option, ConfigError))
         elif p.suffix == ".toml":
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(read_text(p, option, ConfigError))
         else:
             raise ConfigError(f"config file {str(p)!r}: use a .json or .toml file")
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:

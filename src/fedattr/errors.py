@@ -7,6 +7,7 @@ its traceback, so the CLI catches only this class.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -29,6 +30,57 @@ def require_file(
         raise error(f"{option}: {str(p)!r} is a directory; {expected} is expected")
     if not p.is_file():
         raise error(f"{option}: {str(p)!r} does not exist{f' ({hint})' if hint else ''}")
+    return p
+
+
+def read_text(path: str | Path, option: str, error: type[UserError] = UserError) -> str:
+    """The UTF-8 text of the file ``path`` (given as ``option``); a file that is not UTF-8
+    text, or cannot be read, is ``error`` naming ``option`` (not a traceback)."""
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(
+            f"{option}: {str(p)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+            "give a UTF-8 file"
+        ) from None
+    except OSError as exc:
+        raise error(f"{option}: {str(p)!r} cannot be read ({exc.strerror or exc})") from None
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The nearest existing one of ``path`` and its parents, when it is not a folder."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def not_writable(path: str | Path, option: str, exc: OSError | None = None) -> UserError:
+    """The one-line error for an output folder ``path`` (given as ``option``) that cannot be
+    written: it names a file standing where a folder is needed, else the system's reason."""
+    p = Path(path)
+    blocker = _file_in_the_way(p)
+    if blocker is not None:
+        return UserError(
+            f"{option}: {str(blocker)!r} is a file, not a folder; choose another {option}"
+        )
+    reason = (exc.strerror if exc is not None else None) or "permission denied"
+    return UserError(
+        f"{option}: {str(p)!r} cannot be written ({reason}); choose a folder you can write to"
+    )
+
+
+def require_writable_folder(folder: str | Path, option: str) -> Path:
+    """``folder`` when it is an existing folder this process may create files in; else one
+    line naming ``option``. Checked before work starts, so no work is lost to it."""
+    p = Path(folder)
+    if _file_in_the_way(p) is not None:
+        raise not_writable(p, option)
+    if not p.is_dir():
+        raise UserError(f"{option}: folder {str(p)!r} does not exist")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise not_writable(p, option)
     return p
 
 

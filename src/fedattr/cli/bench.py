@@ -86,9 +86,22 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     bs.add_argument("--dim", type=int, default=1_000_000, help="coordinates per update")
     bs.add_argument("--members", type=int, default=6, help="clients in the queried subset (N+1)")
     bs.add_argument("--backend", action="append", help="backend to time (repeatable; default all)")
-    bs.add_argument("--repeats", type=int, default=3)
-    bs.add_argument("--ring-bits", dest="ring_bits", type=int, default=64, choices=(32, 64))
-    bs.add_argument("--frac-bits", dest="frac_bits", type=int, default=32)
+    bs.add_argument("--repeats", type=int, default=3, help="timed repetitions (default 3)")
+    bs.add_argument(
+        "--ring-bits",
+        dest="ring_bits",
+        type=int,
+        default=64,
+        choices=(32, 64),
+        help="fixed-point ring: 32 or 64 bits (default 64)",
+    )
+    bs.add_argument(
+        "--frac-bits",
+        dest="frac_bits",
+        type=int,
+        default=32,
+        help="fixed-point fraction bits (default 32)",
+    )
     bs.add_argument("--clip", type=float, default=1024.0, help="fixed-point clip bound")
     bs.add_argument(
         "--prg",
@@ -96,7 +109,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         choices=("auto", "aes-ctr", "chacha20"),
         help="mask generator on the CPU (auto: aes-ctr; other devices: chacha20)",
     )
-    bs.add_argument("--json", action="store_true")
+    bs.add_argument("--json", action="store_true", help="print the timings as JSON")
     bs.set_defaults(func=_cmd_bench_secagg)
     bp = bench_sub.add_parser(
         "pipeline",
@@ -107,7 +120,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     bp.add_argument("--rounds", type=int, help="FL rounds (default: the configuration's)")
     config_options(bp, "a .json or .toml run configuration")
     bp.add_argument("--out", help="run folder (default runs/bench-pipeline-<preset>)")
-    bp.add_argument("--json", action="store_true")
+    bp.add_argument("--json", action="store_true", help="print the stages as JSON")
     bp.set_defaults(func=_cmd_bench_pipeline)
     bsc = bench_sub.add_parser(
         "scoring",
@@ -121,26 +134,32 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=12,
         help="models read together (default 12: a round's reference, K=10 estimates and SA mean)",
     )
-    bsc.add_argument("--repeats", type=int, default=2)
+    bsc.add_argument("--repeats", type=int, default=2, help="timed repetitions (default 2)")
     config_options(bsc, "a .json or .toml run configuration")
     bsc.add_argument("--out", help="folder for scoring.md and scoring.json")
-    bsc.add_argument("--json", action="store_true")
+    bsc.add_argument("--json", action="store_true", help="print the timings as JSON")
     bsc.set_defaults(func=_cmd_bench_scoring)
     bv = bench_sub.add_parser(
         "verdicts",
         help="the calibrated statistic's end of a run on changes of a real run's size: sums "
         "over rounds, the rank check, the exact tails",
     )
-    bv.add_argument("--clients", type=int, default=10)
-    bv.add_argument("--owners", type=int, default=3)
+    bv.add_argument("--clients", type=int, default=10, help="clients K (default 10)")
+    bv.add_argument("--owners", type=int, default=3, help="owners' keys (default 3)")
     bv.add_argument(
         "--contexts", type=int, default=550, help="probe contexts (550: the smollm2 preset)"
     )
     bv.add_argument("--vocab", type=int, default=49_152, help="vocabulary (49,152: SmolLM2)")
-    bv.add_argument("--rounds", type=int, default=5)
-    bv.add_argument("--null-keys", dest="null_keys", type=int, default=200)
+    bv.add_argument("--rounds", type=int, default=5, help="rounds summed (default 5)")
+    bv.add_argument(
+        "--null-keys",
+        dest="null_keys",
+        type=int,
+        default=200,
+        help="random keys of the rank check (default 200)",
+    )
     bv.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="where the changes live"
     )
-    bv.add_argument("--json", action="store_true")
+    bv.add_argument("--json", action="store_true", help="print the timings as JSON")
     bv.set_defaults(func=_cmd_bench_verdicts)

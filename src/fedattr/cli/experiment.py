@@ -147,7 +147,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     mech.add_argument("--preset", default="tiny", help=PRESET_HELP)
     mech.add_argument("--strategy", default="fedit", help="fedit (default) or flora")
     mech.add_argument("--watermark", default="kgw", help="kgw (default) or fk")
-    mech.add_argument("--seed", type=int, default=1)
+    mech.add_argument("--seed", type=int, default=1, help="the run's seed (default 1)")
     mech.add_argument("--rounds", type=int, default=5, help="FL rounds T (default 5)")
     mech.add_argument("--out", help="folder (default runs/mechanism-<preset>-<strategy>-<wm>)")
     cal = exp_sub.add_parser(

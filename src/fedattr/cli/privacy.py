@@ -134,13 +134,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     priv.add_argument(
         "--trials", type=int, default=20_000, help="Monte Carlo draws (default 20000)"
     )
-    priv.add_argument("--seed", type=int, default=0)
-    priv.add_argument("--json", action="store_true")
+    priv.add_argument("--seed", type=int, default=0, help="Monte Carlo seed (default 0)")
+    priv.add_argument("--json", action="store_true", help="print the summary as JSON")
     priv.set_defaults(func=_cmd_privacy, threads=False)
 
     audit = sub.add_parser(
         "audit", help="what a run's SA answers reveal: exact recovery and joint leakage per round"
     )
     audit.add_argument("run_dir", metavar="RUN_DIR", help="a folder written with --out")
-    audit.add_argument("--json", action="store_true")
+    audit.add_argument(
+        "--json", action="store_true", help="print each round's audit as JSON (a list)"
+    )
     audit.set_defaults(func=_cmd_audit, threads=False)

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError
+from ..errors import UserError, read_text
 from .records import Record
 
 
@@ -55,8 +55,8 @@ def json_lines(text: str) -> list[str]:
     return [line.rstrip("\r") for line in text.split("\n")]
 
 
-def _rows_from_file(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:
-    text = path.read_text(encoding="utf-8")
+def _rows_from_file(path: Path, option: str) -> Iterable[tuple[str, Mapping[str, Any]]]:
+    text = read_text(path, option, DataError)
     if path.suffix == ".jsonl":
         for i, line in enumerate(json_lines(text), start=1):
             if line.strip():
@@ -89,7 +89,7 @@ def load_records(
             raise DataError(f"{option}: {source!r} is a directory; a .json/.jsonl file is expected")
         if not path.is_file():
             raise DataError(f"{option}: file {source!r} does not exist")
-        rows: Iterable[tuple[str, Mapping[str, Any]]] = _rows_from_file(path)
+        rows: Iterable[tuple[str, Mapping[str, Any]]] = _rows_from_file(path, option)
     else:
         rows = _rows_from_hub(source, split, option)
     out = []

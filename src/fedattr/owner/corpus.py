@@ -23,7 +23,7 @@ from typing import Any
 
 from ..data.loaders import DataError, json_lines, record_from_mapping
 from ..data.records import Record
-from ..errors import UserError, require_file
+from ..errors import UserError, read_text, require_file, require_writable_folder
 from ..watermarks.keys import OwnerKey
 
 Say = Callable[[str], None]
@@ -33,7 +33,7 @@ def read_rows(path: str | Path, option: str = "--in") -> list[dict]:
     """The rows of a ``.jsonl`` or ``.json`` (list) corpus, each an Alpaca or chat object
     (``option``: how the user gave the file, for messages)."""
     p = require_file(path, option, "a .jsonl or .json file", error=DataError)
-    text = p.read_text(encoding="utf-8")
+    text = read_text(p, option, DataError)
     try:
         if p.suffix == ".jsonl":
             rows = [json.loads(line) for line in json_lines(text) if line.strip()]
@@ -68,8 +68,8 @@ def check_job(
     out = Path(out)
     if out.exists():
         raise UserError(f"--out: {str(out)!r} exists; choose a new file")
-    if not out.parent.is_dir():
-        raise UserError(f"--out: folder {str(out.parent)!r} does not exist")
+    # the progress file is written beside it: a folder that refuses it fails here, not later
+    require_writable_folder(out.parent, "--out")
     return out
 
 

@@ -25,7 +25,7 @@ from ..attribution.audit import RoundAudit, audit_file
 from ..attribution.stouffer import AttributionReport
 from ..config import from_dict, to_dict
 from ..data.loaders import json_lines
-from ..errors import UserError, has_module
+from ..errors import UserError, has_module, not_writable
 from .markdown import run_report
 
 CONFIG = "config.json"
@@ -69,6 +69,16 @@ class RunFolder:
     def __str__(self) -> str:
         return str(self.path)
 
+    def require_existing(self, written_by: str) -> RunFolder:
+        """This folder when it exists (a command that reads a run: ``audit``, ``attribute``);
+        else one line naming the option and ``written_by`` (the commands that write one)."""
+        where = repr(str(self.path))
+        if self.path.is_dir():
+            return self
+        if self.path.exists():
+            raise UserError(f"{self.option}: {where} is a file; give a run folder ({written_by})")
+        raise UserError(f"{self.option}: {where} does not exist; give a run folder ({written_by})")
+
     def file(self, name: str) -> Path:
         """Path of one of the folder's files."""
         return self.path / name
@@ -83,8 +93,14 @@ class RunFolder:
         """``new``, ``started``, ``interrupted``, ``finished`` or ``foreign``."""
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"{self.option}: {str(self.path)!r} is a file; give a folder")
-        if not self.path.exists() or not any(self.path.iterdir()):
-            return "new"
+        try:
+            if not self.path.exists() or not any(self.path.iterdir()):
+                return "new"
+        except OSError as exc:  # a folder this user may not list
+            raise UserError(
+                f"{self.option}: {str(self.path)!r} cannot be read ({exc.strerror}); "
+                "choose a folder you can read and write"
+            ) from None
         if self.file(RESULTS).is_file() and self.file(CONFIG).is_file():
             return "finished"
         if self.checkpoint_path.is_file():
@@ -97,7 +113,7 @@ class RunFolder:
         """The configuration the folder was run with."""
         try:
             return json.loads(self.file(CONFIG).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise UserError(
                 f"{self.option}: {str(self.file(CONFIG))!r} cannot be read ({exc}); the folder "
                 "is damaged: choose another folder or remove it"
@@ -153,9 +169,13 @@ class RunFolder:
                 )
             return "finished" if status == "finished" else "resume"
         made = [p for p in (self.path, *self.path.parents) if not p.exists()]
-        self.path.mkdir(parents=True, exist_ok=True)
         self._made = made
-        self.file(CONFIG).write_text(json.dumps(config, indent=2))
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.file(CONFIG).write_text(json.dumps(config, indent=2))
+        except OSError as exc:  # unwritable, or a file where a parent folder should be
+            self.release()  # what this claim made, so the corrected command finds it as it was
+            raise not_writable(self.path, self.option, exc) from None
         return "new"
 
     def release(self) -> bool:
@@ -307,4 +327,7 @@ class RunFolder:
 
 def audit_run(run_dir: str | Path) -> list[RoundAudit]:
     """:meth:`RunFolder.audit` of the folder ``run_dir`` (``fedattr audit RUN_DIR``)."""
-    return RunFolder(run_dir, "RUN_DIR").audit()
+    folder = RunFolder(run_dir, "RUN_DIR").require_existing(
+        "written by 'fedattr run --out' or 'fedattr demo-protocol --out'"
+    )
+    return folder.audit()
