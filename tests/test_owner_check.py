@@ -15,6 +15,7 @@ from scipy.stats import binom, hypergeom, kstest
 
 from conftest import fixed_key, import_markllm
 from fedattr.cli import build_parser, main
+from fedattr.errors import UserError
 from fedattr.owner.check import (
     Document,
     binomial_log10_sf,
@@ -372,3 +373,107 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, owner_key, capsys, case
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert message.format(**{"in": target, "model": tmp_path / "no-model"}) in err
+
+
+# --- the key's vocabulary ----------------------------------------------------------------
+
+
+def test_a_key_made_for_a_tokenizer_refuses_another_vocabulary(micro, tmp_path, capsys):
+    """Issue 37, item 2: a markllm key checked with the wrong tokenizer answered "no
+    watermark" (z = -1.81). A key made with ``keygen --model`` records the vocabulary's size
+    and fingerprint; ``owner check`` (and detect, watermark) refuse another one in one line."""
+    import shutil
+
+    from fedattr.watermarks.keys import load_key, tokenizer_fingerprint
+
+    path, _, tokenizer = micro
+    made = tmp_path / "markllm.key"
+    # a reference-scheme key needs the model its corpus was watermarked with
+    assert main(["owner", "keygen", "--scheme", "markllm", "--out", str(made)]) == 2
+    assert "--model: a markllm key needs the model" in capsys.readouterr().err
+    assert not made.exists()
+    argv = ["owner", "keygen", "--scheme", "markllm", "--model", str(path), "--out", str(made)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    key = load_key(made)
+    assert (key.vocab_size, key.tokenizer) == (len(tokenizer), tokenizer_fingerprint(tokenizer))
+    assert out.count(key.fingerprint) == 1  # printed once, as the public fingerprint
+    # another tokenizer: the micro one with one token more
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(path, other)
+    grown = type(tokenizer).from_pretrained(other)
+    grown.add_tokens(["<an-extra-token>"])
+    grown.save_pretrained(other)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("Some text to check, which a key made for another tokenizer must refuse.")
+    base = ["owner", "check", "--key", str(made), "--in", str(texts)]
+    assert main([*base, "--model", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert (
+        f"--model '{other}': its tokenizer has {len(tokenizer) + 1} tokens, but this key's "
+        f"green lists are over a vocabulary of {len(tokenizer)}"
+    ) in err
+    assert main([*base, "--model", str(path)]) == 0  # its own tokenizer
+    capsys.readouterr()
+    # same size, other tokens: the fingerprint tells them apart
+    renamed = OwnerKey("kgw", "1" * 64, vocab_size=len(tokenizer), tokenizer="0000-0000-0000-0000")
+    with pytest.raises(UserError, match="is not the one this key was made for"):
+        renamed.check_tokenizer(tokenizer, "--model 'x'")
+    # an older markllm key records no tokenizer: no --model (and no report) is refused, not
+    # answered with tiny's vocabulary
+    old = save_key(fixed_key(3, scheme="markllm", hash_key=HASH), tmp_path / "old.key")
+    assert "vocab_size" not in old.read_text()
+    assert main(["owner", "check", "--key", str(old), "--in", str(texts)]) == 2
+    assert "--model: this markllm key records no tokenizer" in capsys.readouterr().err
+
+
+def test_keys_written_before_the_vocabulary_field_still_load(tmp_path):
+    """A key file without ``vocab_size``/``tokenizer`` (all keys before issue 37) loads as a
+    key that accepts any tokenizer; one with them round-trips."""
+    import os
+
+    from fedattr.watermarks.keys import load_key
+
+    old = tmp_path / "old.key"
+    old.write_text(
+        json.dumps(
+            {
+                "format": "fedattr-owner-key/1",
+                "kind": "kgw",
+                "secret": "ab" * 32,
+                "gamma": 0.25,
+                "delta": 3.0,
+                "context": 1,
+                "scheme": "fedattr",
+                "hash_key": None,
+                "fk": {},
+            }
+        )
+    )
+    os.chmod(old, 0o600)
+    key = load_key(old)
+    assert key.vocab_size is None and key.tokenizer is None
+    key.check_tokenizer(SimpleTokenizer(7), "--model 'x'")  # any vocabulary
+    new = save_key(
+        OwnerKey("kgw", "cd" * 32, vocab_size=7, tokenizer="aaaa-bbbb-cccc-dddd"),
+        tmp_path / "new.key",
+    )
+    assert load_key(new) == OwnerKey(
+        "kgw", "cd" * 32, vocab_size=7, tokenizer="aaaa-bbbb-cccc-dddd"
+    )
+    with pytest.raises(UserError, match="its tokenizer has 8 tokens"):
+        load_key(new).check_tokenizer(SimpleTokenizer(8), "--model 'x'")
+
+
+class SimpleTokenizer:
+    """A stand-in with ``len`` and ``get_vocab``: all a key's vocabulary check reads."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"t{i}": i for i in range(self.size)}

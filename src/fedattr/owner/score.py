@@ -63,6 +63,11 @@ class OwnerScorer:
             )
         self.key, self.name = key, f"kgw:{key.fingerprint}"
         model, tokenizer = load_model(cfg.model, say)
+        key.check_tokenizer(
+            tokenizer,
+            f"the run's model (model.preset={cfg.model.preset})",
+            "score with the key made for this run's model's tokenizer",
+        )
         records = list(texts) if texts is not None else detection_records(cfg.data, cfg.watermark)
         model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
         server, _ = make_strategy(cfg.fl, cfg.lora)

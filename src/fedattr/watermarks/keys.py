@@ -5,8 +5,11 @@ refused), written once (never overwritten). It names the watermark ``kind`` and 
 detector needs besides the secret: KGW's green fraction ``gamma``, bias ``delta``, context
 width and seeding ``scheme`` (``fedattr``: a SHA-256 PRF of the 256-bit secret and the previous
 token; ``lm-watermarking`` and ``markllm``: the two reference codes' seedings from an integer
-hash key, for corpora watermarked with them), or the Fictitious-Knowledge domain. The
-**fingerprint** (a hash of the secret) is public: it names a key without revealing it.
+hash key, for corpora watermarked with them), or the Fictitious-Knowledge domain. A KGW key
+made for a tokenizer also records its vocabulary size and the tokenizer's fingerprint, so a
+test with another tokenizer is refused instead of answering "no watermark" (keys written
+before these fields existed load as keys that record none). The **fingerprint** (a hash of
+the secret) is public: it names a key without revealing it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError, require_file
+from ..errors import UserError, not_writable, require_file, require_writable_folder
 
 FORMAT = "fedattr-owner-key/1"
 KINDS = ("kgw", "fk")
@@ -48,6 +51,12 @@ class OwnerKey:
     """``lm-watermarking`` / ``markllm`` schemes: the reference code's integer hash key."""
     fk: dict[str, Any] = field(default_factory=dict)
     """``fk``: ``{"domain": index, "decoys": n}`` (the entity is derived from the secret)."""
+    vocab_size: int | None = None
+    """KGW: the size of the vocabulary the green lists are over, when the key was made for a
+    tokenizer (``keygen --model``); ``None`` in keys made without one (and before fedattr
+    recorded it)."""
+    tokenizer: str | None = None
+    """KGW: the fingerprint (:func:`tokenizer_fingerprint`) of that tokenizer, when known."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -63,6 +72,8 @@ class OwnerKey:
                 raise KeyFileError("key gamma/delta: gamma must be in (0, 1) and delta >= 0")
             if self.context != 1:
                 raise KeyFileError(f"key context: only width 1 is supported, got {self.context}")
+            if self.vocab_size is not None and self.vocab_size < 2:
+                raise KeyFileError(f"key vocab_size: must be >= 2, got {self.vocab_size}")
             if self.scheme != "fedattr" and not (
                 isinstance(self.hash_key, int) and 0 < self.hash_key < 2**31
             ):
@@ -81,16 +92,48 @@ class OwnerKey:
         """A 62-bit integer derived from the secret (for schemes that need an integer seed)."""
         return int.from_bytes(hashlib.sha256(bytes.fromhex(self.secret)).digest()[:8], "big") >> 2
 
-    def describe(self) -> str:
-        """One line: kind, scheme, parameters and fingerprint (never the secret)."""
+    def describe(self, fingerprint: bool = True) -> str:
+        """One line: kind, scheme, parameters and (unless told not to) the fingerprint; never
+        the secret."""
+        tail = f", fingerprint {self.fingerprint}" if fingerprint else ""
         if self.kind == "kgw":
             extra = f" hash_key={self.hash_key}" if self.scheme != "fedattr" else ""
+            vocab = ""
+            if self.vocab_size is not None:
+                vocab = f", vocabulary of {self.vocab_size} tokens"
+                vocab += f" (tokenizer {self.tokenizer})" if self.tokenizer else ""
             return (
                 f"KGW key ({self.scheme} seeding{extra}, gamma={self.gamma}, delta={self.delta}, "
-                f"context {self.context}), fingerprint {self.fingerprint}"
+                f"context {self.context}{vocab}){tail}"
             )
         domain = self.fk.get("domain")
-        return f"Fictitious-Knowledge key (domain {domain}), fingerprint {self.fingerprint}"
+        return f"Fictitious-Knowledge key (domain {domain}){tail}"
+
+    def check_tokenizer(
+        self,
+        tokenizer: Any,
+        what: str,
+        fix: str = "give the --model the text was watermarked with",
+    ) -> None:
+        """Refuse, in one line, a tokenizer (named ``what``: ``--model 'tiny'``) whose
+        vocabulary is not the one this key's green lists were made for: counted under another
+        vocabulary, a watermark reads as absent (a wrong answer, not an error). A key that
+        records no vocabulary accepts any tokenizer. ``fix``: what to do instead."""
+        if self.vocab_size is None:
+            return
+        size = len(tokenizer)
+        if size != self.vocab_size:
+            raise UserError(
+                f"{what}: its tokenizer has {size} tokens, but this key's green lists are over "
+                f"a vocabulary of {self.vocab_size}: {fix}"
+            )
+        if self.tokenizer is not None:
+            seen = tokenizer_fingerprint(tokenizer)
+            if seen != self.tokenizer:
+                raise UserError(
+                    f"{what}: its tokenizer (fingerprint {seen}) is not the one this key was "
+                    f"made for ({self.tokenizer}), though both have {size} tokens: {fix}"
+                )
 
     def kgw_scheme(self, vocab_size: int):
         """The green lists of this key over a ``vocab_size`` vocabulary."""
@@ -115,7 +158,19 @@ class OwnerKey:
 
     def to_json(self) -> str:
         """The key file's content."""
-        return json.dumps({"format": FORMAT, **asdict(self)}, indent=2) + "\n"
+        data = asdict(self)
+        for name in ("vocab_size", "tokenizer"):  # unrecorded: left out, as keys before them
+            if data[name] is None:
+                del data[name]
+        return json.dumps({"format": FORMAT, **data}, indent=2) + "\n"
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A public name of a tokenizer's vocabulary: 16 hex digits of a hash of every token and
+    its id (two tokenizers with the same fingerprint give the same ids)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+    return "-".join(digest[i : i + 4] for i in range(0, 16, 4))
 
 
 def generate_key(kind: str = "kgw", **params: Any) -> OwnerKey:
@@ -142,9 +197,11 @@ def save_key(key: OwnerKey, path: str | Path) -> Path:
     p = Path(path)
     if p.exists():
         raise KeyFileError(f"--out: {str(p)!r} exists; a key file is never overwritten")
-    if not p.parent.is_dir():
-        raise KeyFileError(f"--out: folder {str(p.parent)!r} does not exist")
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    require_writable_folder(p.parent, "--out")
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise not_writable(p.parent, "--out", exc) from None
     with os.fdopen(fd, "w") as f:
         f.write(key.to_json())
     os.chmod(p, 0o600)  # whatever the umask
@@ -160,6 +217,8 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "scheme": ((str,), "a string"),
     "hash_key": ((int, type(None)), "an integer or null"),
     "fk": ((dict,), "an object"),
+    "vocab_size": ((int, type(None)), "an integer or null"),
+    "tokenizer": ((str, type(None)), "a string or null"),
 }
 """The fields of a key file (besides ``format``): the JSON types each may hold, in words."""
 
