@@ -93,7 +93,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=64,
         choices=(32, 64),
-        help="fixed-point ring: 32 or 64 bits (default 64)",
+        help="bits of the fixed-point ring",
     )
     bs.add_argument(
         "--frac-bits",
