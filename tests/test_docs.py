@@ -85,3 +85,22 @@ def test_library_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     exec(compile(code.group(1), "getting-started.md", "exec"), {"__name__": "docs_example"})
     out = capsys.readouterr().out
     assert "| client |" in out and "**yes**" in out
+
+
+def test_the_guides_state_what_a_default_run_shows() -> None:
+    """Issue 37, item 7: reading-results gave the rank p floor as 0.005 where the default
+    3-owner run prints 0.0149 (owners / (null_keys + 1): rank p is Bonferroni-adjusted like p);
+    getting started showed only the piped progress lines, where a terminal shows bars."""
+    from fedattr.attribution.config import AttributionConfig
+    from fedattr.watermarks.config import WatermarkConfig
+
+    floor = min(1.0, WatermarkConfig().owners / (AttributionConfig().null_keys + 1))
+    reading = (DOCS / "guides" / "reading-results.md").read_text(encoding="utf-8")
+    reading = " ".join(reading.split())
+    assert f"= {floor:.3g}" in reading and "owners / (null_keys + 1)" in reading
+    start = (DOCS / "getting-started.md").read_text(encoding="utf-8")
+    run = start[start.index("$ fedattr run\n") :]
+    run = run[: run.index("```")]
+    assert "%|" in run, "the terminal's progress bar is shown in the run's console"
+    words = " ".join(start.split())
+    assert "Piped into a file" in words and "[0m05s] round 1 local training" in words
