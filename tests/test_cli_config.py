@@ -331,3 +331,35 @@ def test_every_option_of_every_command_has_help():
 
     walk(build_parser(), [])
     assert missing == []
+
+
+def test_usage_errors_are_one_line(capsys):
+    """A value argparse itself refuses (a choice, a type, a missing argument) is one line with
+    exit code 2 like every other bad input, not the usage block and then the error."""
+    for argv, message in (
+        (["owner", "keygen", "--kind", "nope", "--out", "x"], "argument --kind: invalid choice"),
+        (["owner", "detect", "--key", "k", "--model", "tiny", "--count", "abc"], "invalid int"),
+        ([], "the following arguments are required: command"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.count("\n") == 1 and message in err
+        assert "--help" in err
+
+
+def test_an_experiment_folder_under_a_file_is_refused_before_any_run(tmp_path, capsys):
+    """The sweep of issue 37 found ``experiment main --out FILE/x`` a NotADirectoryError
+    traceback. Root can write a read-only folder, so the unwritable place is a parent that is
+    a regular file."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    for argv in (
+        ["experiment", "main", "--seeds", "1"],
+        ["experiment", "mechanism"],
+        ["experiment", "tail-check", str(tmp_path)],
+    ):
+        assert main([*argv, "--out", str(blocker / "exp")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--out: '{blocker}' is a file, not a folder" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

@@ -84,6 +84,19 @@ def require_writable_folder(folder: str | Path, option: str) -> Path:
     return p
 
 
+def require_creatable_folder(folder: str | Path, option: str) -> Path:
+    """``folder`` when it is a folder this process may write in, or one it may create (no file
+    standing where it or a parent should be, the nearest existing parent writable); else one
+    line naming ``option``. For outputs made later (an experiment's folder): checked first."""
+    p = Path(folder)
+    if _file_in_the_way(p) is not None:
+        raise not_writable(p, option)
+    existing = next(q for q in (p, *p.parents, Path.cwd()) if q.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise not_writable(existing, option)
+    return p
+
+
 def has_module(module: str) -> bool:
     """Whether ``module`` can be imported (an optional extra installed)."""
     import importlib.util

@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .. import __version__
 from ..errors import UserError
@@ -22,9 +23,18 @@ from . import bench, experiment, flower, owner, privacy, run
 __all__ = ["build_parser", "main"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors (an unknown choice, a value of the wrong type, a
+    missing argument) are one line and exit code 2, as every other bad input is; the usage is
+    one ``--help`` away. Its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="fedattr",
         description="Client-level watermark attribution in federated LLM fine-tuning under "
         "secure aggregation.",

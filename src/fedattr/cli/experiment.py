@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from ..errors import UserError, require_extra
+from ..errors import UserError, require_creatable_folder, require_extra
 from .common import PRESET_HELP, config_options, say
 
 
@@ -30,6 +30,7 @@ def _experiment(run: Callable[[Callable[[str], None]], object], out: str, summar
     """Run a resumable experiment into ``out`` (``run(progress)``), then print ``summary``."""
     from pathlib import Path
 
+    require_creatable_folder(out, "--out")  # before the first run, not after it
     try:
         run(say)
     except KeyboardInterrupt:
@@ -65,9 +66,7 @@ def _cmd_experiment_tail_check(args: argparse.Namespace) -> int:
 
     if args.draws < 100:
         raise UserError(f"--draws: Monte Carlo draws per point, >= 100; got {args.draws}")
-    from pathlib import Path
-
-    out = Path(args.out)
+    out = require_creatable_folder(args.out, "--out")
     device = None if args.device == "cpu" else args.device
     if device == "cuda":
         from ..runtime import require_cuda
@@ -118,6 +117,7 @@ def _cmd_experiment_mechanism(args: argparse.Namespace) -> int:
     spec = MainSpec(args.preset, [args.seed], args.config, [f"fl.rounds={args.rounds}", *args.set])
     cfg = spec.run_config(args.strategy, args.watermark, args.seed)
     out = Path(args.out or f"runs/mechanism-{args.preset}-{args.strategy}-{args.watermark}")
+    require_creatable_folder(out, "--out")
     run_dir = out / "run"
     run_or_reuse(cfg, run_dir)
     summary = write_mechanism(run_dir, out)
