@@ -54,7 +54,6 @@ def _owner_texts(path: str | None, count: int) -> list[Record]:
 
 
 def _cmd_owner_keygen(args: argparse.Namespace) -> int:
-    from ..errors import require_writable_folder
     from ..watermarks.keys import generate_key, save_key, tokenizer_fingerprint
 
     params: dict = {}
