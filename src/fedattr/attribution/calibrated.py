@@ -106,6 +106,37 @@ class SpreadReporter(Protocol):
         ...
 
 
+@runtime_checkable
+class ReferenceProbabilities(Protocol):
+    """A detector whose change is over next-token distributions (KGW reading): it says each
+    cell's probability under the reference model, which a taper reads (key-free)."""
+
+    def reference_probabilities(self, reference: Any) -> Parts:
+        """Part -> each cell's mean next-token probability under the reference observation."""
+        ...
+
+
+def taper_weights(scorer: Any, reference: Any, exponent: float, start: float) -> Parts | None:
+    """Each cell's weight ``min(1, start / p) ** exponent`` from its reference probability
+    ``p`` (``None`` where ``exponent`` is 0 or the detector has no such probabilities).
+
+    The change of a likely token is mostly the client's own drift (the model growing more or
+    less sure of what it already predicts), while a key's green lists move every token of a
+    context in proportion to its probability: above ``start``, a cell's change is read on a
+    scale that grows more slowly than ``p`` (``exponent = 0.5``: its change over ``sqrt(p)``,
+    the Fisher-information scale of a probability). Below ``start`` every cell keeps weight
+    1, so rare tokens, whose changes follow shared embeddings rather than any key, are never
+    amplified. The weights depend on the reference model only (the same for every client of
+    the round and every key), so the round stays linear in each estimate and the exact tail
+    under a random key still holds."""
+    if exponent == 0.0 or not isinstance(scorer, ReferenceProbabilities):
+        return None
+    return {
+        part: (start / p.double().clamp_min(1e-30)).clamp(max=1.0).pow(exponent).float()
+        for part, p in scorer.reference_probabilities(reference).items()
+    }
+
+
 def _design_matrix(designs: Sequence[QueryDesign], order: Sequence[int]) -> np.ndarray:
     """Row i: the weight of every participant (in ``order``) in target i's estimate."""
     rows = []
@@ -145,9 +176,14 @@ def standardise_round(
     laws: Mapping[str, KeyLaw],
     decorrelate: bool = True,
     token_centring: bool = False,
+    weights: Parts | None = None,
 ) -> tuple[list[Parts], bool]:
     """Steps 2-4 of the module: each target's own change, centred without a key and divided by
     its null standard deviation; and whether cross-talk was undone. Key-free throughout.
+
+    ``weights``: per part, a key-free weight per cell (:func:`taper_weights`), the same for
+    every change of the round, applied before anything else (so undoing cross-talk stays
+    exact).
 
     ``token_centring``: also remove what a change does to a token in every context alike (its
     mean over the rows, per column: a client's drift towards or away from a token, which no
@@ -157,6 +193,11 @@ def standardise_round(
     out: list[Parts] = [{} for _ in targets]
     for part, law in laws.items():
         Y = torch.stack([c[part].reshape(-1).float() for c in changes])
+        if weights is not None and part in weights:
+            Y = Y * weights[part].reshape(-1).to(Y)
+        center_part = center[part].reshape(-1).to(Y) if center is not None else None
+        if center_part is not None and weights is not None and part in weights:
+            center_part = center_part * weights[part].reshape(-1).to(Y)
         if A is not None:
             # Row by row in float64 (not a matrix product, whose summation order depends on
             # the threads that run it): the same bits in a background scorer as in line.
@@ -173,7 +214,7 @@ def standardise_round(
             C = _median(X)
         else:
             X = Y
-            C = center[part].reshape(-1).to(Y) if center is not None else Y.mean(dim=0)
+            C = center_part if center_part is not None else Y.mean(dim=0)
         shape = changes[0][part].shape
         # Per-token drift is only a thing for a key over a vocabulary (KGW's green lists).
         tokens = token_centring and isinstance(law, RowSubsets) and law.m > 1
@@ -260,9 +301,11 @@ class CalibratedNull:
         changes: Sequence[Parts],
         center: Parts | None,
         scorer: LinearKeyScorer,
+        weights: Parts | None = None,
     ) -> dict[int, dict[str, float]]:
         """One round's raw changes (one per target; ``center``: the SA mean's, needed only
-        where cross-talk is not undone); returns each target's per-round statistic per owner."""
+        where cross-talk is not undone; ``weights``: key-free cell weights, see
+        :func:`standardise_round`); returns each target's per-round statistic per owner."""
         if not targets or not self.reads(round_id, scorer):
             return {}
         laws = scorer.key_laws()
@@ -275,6 +318,7 @@ class CalibratedNull:
             laws,
             self.decorrelate,
             self.token_centring,
+            weights,
         )
         self.decorrelated[round_id] = decorrelated
         display: dict[int, dict[str, float]] = {}

@@ -51,6 +51,16 @@ class AttributionConfig:
     """``calibrated`` with KGW: remove from each client's change what it does to a token in
     every context alike (drift towards frequent tokens, which no per-context green list is
     aligned with) before it is read with the key. Key-free, so the exact tail still holds."""
+    taper: float = 0.0
+    """``calibrated`` with KGW: read each cell of a change with weight ``min(1, taper_from /
+    p) ** taper``, ``p`` its token's probability under the round's reference model (key-free:
+    the exact tail still holds). 0 reads every cell alike; 0.5 reads a likely token's change
+    over ``sqrt(p)``, the Fisher-information scale of a probability, where it is mostly the
+    client's drift rather than a key's signal (see :func:`~fedattr.attribution.calibrated.
+    taper_weights`)."""
+    taper_from: float = 0.01
+    """``calibrated`` with KGW: the probability above which :attr:`taper` lowers a cell's
+    weight (below it every cell keeps weight 1)."""
     decorrelate: bool = True
     """``calibrated``: when every participant is a target of the round, undo cross-talk with the
     known design matrix (each client's own statistic per key, from its estimates only)."""
@@ -109,6 +119,10 @@ class AttributionConfig:
             raise DesignError(
                 f"attribution.reading_step: must be in (0, 1], got {self.reading_step!r}"
             )
+        if not (isinstance(self.taper, int | float) and 0.0 <= self.taper <= 2.0):
+            raise DesignError(f"attribution.taper: must be in [0, 2], got {self.taper!r}")
+        if not (isinstance(self.taper_from, int | float) and 0.0 < self.taper_from <= 1.0):
+            raise DesignError(f"attribution.taper_from: must be in (0, 1], got {self.taper_from!r}")
         if not isinstance(self.null_keys, int) or self.null_keys < 0:
             raise DesignError(
                 f"attribution.null_keys: must be an integer >= 0, got {self.null_keys!r}"

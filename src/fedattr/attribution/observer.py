@@ -8,12 +8,16 @@ other's budget). The first one (``primary``) is the run's headline result.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
+from ..fl.pool import PlaintextTap
 from ..fl.server import Observer, RoundContext, RunEnd
+from ..updates import scale_update
+from .design import DesignStats, QueryDesign
 from .protocol import FedAttr
+from .records import Estimate, RoundEstimates
 
 
 class AttributionObserver(Observer):
@@ -45,12 +49,10 @@ class AttributionObserver(Observer):
         self._pending: tuple[RoundContext, Future] | None = None
 
     def round_opened(self, ctx: RoundContext) -> None:
-        fed = self.fedattr
         self.settle()
-        with ctx.sa.session(self.name):
-            t0 = time.perf_counter()
-            estimates = fed.query_round(ctx.round, ctx.sa)
-            t1 = time.perf_counter()
+        t0 = time.perf_counter()
+        estimates = self._estimates(ctx)
+        t1 = time.perf_counter()
         self.timing["sa_s"] += t1 - t0
         if self.primary:
             ctx.timing.add("sa_s", t1 - t0)
@@ -63,6 +65,11 @@ class AttributionObserver(Observer):
         record, seconds = self._score(ctx, estimates, lambda r: steps.step(f"client {r.target}"))
         steps.close()
         self._record(ctx, record, seconds)
+
+    def _estimates(self, ctx: RoundContext) -> RoundEstimates:
+        """Every target's estimate of the open round, through SA queries only."""
+        with ctx.sa.session(self.name):
+            return self.fedattr.query_round(ctx.round, ctx.sa)
 
     @property
     def busy(self) -> bool:
@@ -121,3 +128,41 @@ class AttributionObserver(Observer):
             self.fedattr.load(state["fedattr"])
             self.records = state["records"]
             self.timing = state["timing"]
+
+
+class CeilingObserver(AttributionObserver):
+    """The same statistic read on each client's *true* update instead of its SA estimate: what
+    attribution would name with a perfect estimator, reported beside FedAttr's figure so that
+    what SA estimation costs is visible (``ceiling = true``).
+
+    It reads the plaintext updates (a :class:`~fedattr.fl.pool.PlaintextTap`), which a real
+    deployment's server never holds: a measurement for simulations only, never a verdict.
+    Every answering client is a target with a design of its own update alone (the identity
+    design matrix), so the statistic runs exactly as on estimates whose cross-talk was undone.
+    """
+
+    def __init__(
+        self,
+        fedattr: FedAttr,
+        scorer: Any,
+        tap: PlaintextTap,
+        scales: Callable[[Sequence[int]], dict[int, float]],
+        name: str = "ceiling",
+        marked: Collection[int] = (),
+    ) -> None:
+        super().__init__(fedattr, scorer, name, primary=False, marked=marked)
+        self.tap, self.scales = tap, scales
+
+    def _estimates(self, ctx: RoundContext) -> RoundEstimates:
+        answered = [c for c in ctx.answered if c in self.tap.updates]
+        # The units of an estimate: what the client submitted to SA (its update times n * p_i).
+        scales = self.scales(list(ctx.participants))
+        layout = ctx.sa.layout
+        out = RoundEstimates(ctx.round, list(answered), layout)
+        for c in answered:
+            alone = QueryDesign(
+                c, ((c,),), ((),), DesignStats({}, 0.0, 0.0, 0.0, True), 0, tuple(answered)
+            )
+            flat = layout.flatten(scale_update(self.tap.updates[c], scales[c]))
+            out.estimates.append(Estimate(c, flat, alone, 1, 0.0))
+        return out

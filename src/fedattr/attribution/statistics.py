@@ -22,7 +22,13 @@ from typing import Any, ClassVar
 
 from ..errors import UserError
 from ..updates import add_update, scale_update
-from .calibrated import CalibratedNull, LinearKeyScorer, SpreadReporter, SteppedReading
+from .calibrated import (
+    CalibratedNull,
+    LinearKeyScorer,
+    SpreadReporter,
+    SteppedReading,
+    taper_weights,
+)
 from .config import AttributionConfig
 from .records import Estimate, RoundEstimates, RoundRecord, TargetRecord
 from .scoring import (
@@ -255,8 +261,16 @@ class CalibratedStatistic(Statistic):
         changes = [_per_step(scorer.change(ref_obs, obs), step) for obs in observed]
         del observed
         middle = changes.pop() if center is not None else None
+        weights = taper_weights(scorer, ref_obs, self.config.taper, self.config.taper_from)
         display = self.calibrated.add_round(
-            estimates.round, estimates.participants, targets, designs, changes, middle, scorer
+            estimates.round,
+            estimates.participants,
+            targets,
+            designs,
+            changes,
+            middle,
+            scorer,
+            weights,
         )
         each = (time.perf_counter() - t0) / max(1, len(targets))
         record = RoundRecord(

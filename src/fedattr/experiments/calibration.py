@@ -263,15 +263,33 @@ def _rates(clients: list[dict]) -> tuple[int, int, int, int]:
     return (sum(c["flagged"] for c in wm), len(wm), sum(c["flagged"] for c in clean), len(clean))
 
 
+def _views(runs: list[dict]) -> list[str]:
+    """The readings every run carries: ``calibrated`` (the run's own), then each variant
+    (the paper statistic, the ceiling on true updates, any other) in the first run's order."""
+    names = ["calibrated"]
+    if runs:
+        names += [
+            v for v in runs[0].get("variants", {}) if all(v in r.get("variants", {}) for r in runs)
+        ]
+    return names
+
+
+def _view(res: dict, name: str) -> dict:
+    return res if name == "calibrated" else res["variants"][name]
+
+
 def summarize(runs: list[dict]) -> dict:
-    """Null p-values and family-wise flag counts of both statistics over ``runs``."""
+    """Null p-values and family-wise flag counts of every reading over ``runs``: the run's own
+    (``calibrated``), the paper statistic and, where the runs carry them, the ceiling (the same
+    statistic on true updates) and other variants."""
     stats: dict[str, dict] = {}
-    for name in ("calibrated", "paper"):
+    for name in _views(runs):
         pvals: list[float] = []
         counts = np.zeros(4, dtype=int)
+        calibrated = all(_view(res, name).get("statistic") != "paper" for res in runs)
         for res in runs:
-            view = res if name == "calibrated" else res["variants"]["paper"]
-            pvals += _null_pvalues(res, view, name == "calibrated")
+            view = _view(res, name)
+            pvals += _null_pvalues(res, view, calibrated)
             counts += np.array(_rates(view["clients"]))
         p = np.array(pvals)
         levels = {}
@@ -289,7 +307,7 @@ def summarize(runs: list[dict]) -> dict:
         # Family-wise: the runs in which the statistic's own rule names any clean client.
         naming = 0
         for res in runs:
-            view = res if name == "calibrated" else res["variants"]["paper"]
+            view = _view(res, name)
             naming += any(c["flagged"] and not c["watermarked"] for c in view["clients"])
         stats[name] = {
             "runs_naming_clean": naming,
@@ -375,7 +393,8 @@ def _qq_plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5.2, 5))
-    colours = {"calibrated": "tab:green", "paper": "tab:red"}
+    colours = {"calibrated": "tab:green", "paper": "tab:red", "ceiling": "tab:blue"}
+    others = iter(["tab:orange", "tab:purple", "tab:brown", "tab:olive", "tab:cyan"])
     n_max = 1
     for name, s in summary["statistics"].items():
         p = np.clip(np.array(s["null_p"]), 1e-12, 1.0)
@@ -384,7 +403,8 @@ def _qq_plot(summary: dict, path: Path) -> None:
             continue
         n_max = max(n_max, n)
         expected = (np.arange(1, n + 1) - 0.5) / n
-        ax.loglog(expected, p, ".", ms=3, color=colours[name], label=f"{name} ({n} null pairs)")
+        colour = colours.get(name) or next(others, "tab:gray")
+        ax.loglog(expected, p, ".", ms=3, color=colour, label=f"{name} ({n} null pairs)")
     grid = (np.arange(1, n_max + 1) - 0.5) / n_max
     k = np.arange(1, n_max + 1)
     ax.fill_between(

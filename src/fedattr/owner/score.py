@@ -86,7 +86,7 @@ class OwnerScorer:
     def score(self, folder: str | Path, manifest: dict | None = None) -> Path:
         """Score one round folder (``manifest``: its :func:`read_manifest`, when the caller
         has already checked it); returns the scores file written there."""
-        from ..attribution.calibrated import cross_talk, standardise_round
+        from ..attribution.calibrated import cross_talk, standardise_round, taper_weights
         from ..attribution.round_folder import design_from_dict
         from ..attribution.scoring import observe_all
 
@@ -110,6 +110,8 @@ class OwnerScorer:
         changes = [scorer.change(ref_obs, o) for o in observed]
         middle = changes.pop() if needs_center else None
         laws = scorer.key_laws()
+        attribution = self.config.attribution
+        weights = taper_weights(scorer, ref_obs, attribution.taper, attribution.taper_from)
         standard, _ = standardise_round(
             manifest["participants"],
             manifest["targets"],
@@ -118,7 +120,8 @@ class OwnerScorer:
             middle,
             laws,
             decorrelate,
-            self.config.attribution.token_centring,
+            attribution.token_centring,
+            weights,
         )
         values, tensors = {}, {}
         for target, parts in zip(manifest["targets"], standard, strict=True):

@@ -86,6 +86,11 @@ class RunConfig:
     baselines: bool = False
     """Also run the baselines (global-model test, Direct, FLDetector, FLForensics) on the same
     training run; they read plaintext updates, which FedAttr never does."""
+    ceiling: bool = False
+    """Also read the same statistic on each client's true update (its plaintext update, as if
+    the estimate were perfect): ``results.json`` -> ``variants`` -> ``ceiling``, beside
+    FedAttr's own figure, so that what SA estimation costs is visible. A simulation's
+    measurement: it reads what the server never holds, and never decides anything."""
     variants: list[dict[str, Any]] = field(default_factory=list)
     """More FedAttr configurations watching the same training run, each a table of
     ``[attribution]`` keys that differ from the main one plus an optional ``name``, e.g.
@@ -116,17 +121,23 @@ class RunConfig:
                 f"attribution.N={self.attribution.N} needs N < (clients per round) - 1 = {n - 1}; "
                 f"lower N or raise fl.K / fl.participation"
             )
-        if self.attribution.scoring == "owner" and (self.baselines or self.variants):
+        if self.attribution.scoring == "owner" and (
+            self.baselines or self.variants or self.ceiling
+        ):
             raise ValueError(
-                "attribution.scoring=owner: the server holds no key, so it runs no baselines "
-                "and no variants; set baselines=false and variants=[]"
+                "attribution.scoring=owner: the server holds no key, so it runs no baselines, "
+                "no variants and no ceiling; set baselines=false, variants=[] and ceiling=false"
             )
+        if self.ceiling and any(v.get("name") == "ceiling" for v in self.variants):
+            raise ValueError("variants: the name 'ceiling' is taken by ceiling=true; rename it")
         if wm.key_files and wm.kind != "kgw":
             raise ValueError("watermark.key_files: owner key files are KGW keys (kind=kgw)")
-        if self.attribution.overlap and (self.baselines or self.attribution.scoring == "owner"):
+        if self.attribution.overlap and (
+            self.baselines or self.ceiling or self.attribution.scoring == "owner"
+        ):
             raise ValueError(
                 "attribution.overlap: scores in the background on a copy of the model, beside "
-                "neither baselines (they read the same scorer each round) nor "
+                "neither baselines nor ceiling (they read the same scorer each round) nor "
                 "attribution.scoring=owner (the server scores nothing); allowed there: false"
             )
         self.secagg = harden(self.attribution, self.secagg, n)

@@ -21,7 +21,7 @@ import torch
 
 from ..attribution.config import AttributionConfig
 from ..attribution.export import ExportObserver
-from ..attribution.observer import AttributionObserver
+from ..attribution.observer import AttributionObserver, CeilingObserver
 from ..attribution.protocol import FedAttr
 from ..attribution.scoring import KeyStatisticScorer, LinearScorer, ProbeScorer, scorer_null
 from ..attribution.stouffer import AttributionReport
@@ -207,7 +207,8 @@ def _finish(
             "fpr": rep.fpr,
             "flagged": rep.flagged,
             "statistic": rep.statistic,
-            "sa_queries": queries_of(o.name),
+            # The ceiling reads true updates: no SA query of its own (not even the aggregates).
+            "sa_queries": 0 if isinstance(o, CeilingObserver) else queries_of(o.name),
             "timing": o.timing,
             "clients": [c.to_dict() for c in rep.clients],
             "by_statistic": rep.to_dict()["by_statistic"],
@@ -352,6 +353,12 @@ def run_experiment(
         else:
             scorer = scorer_for(wm.detector)
         observers = list(_observers(variants, scorer, fed.owner_of, background))
+        if cfg.ceiling:
+            # Reads the plaintext updates (as the baselines do): a simulation's measurement.
+            ceiling = CeilingObserver(
+                FedAttr(cfg.attribution), scorer, pool.open_tap(), pool.scales, marked=[]
+            )
+            observers.append(ceiling)
         attribution = list(observers)
     if cfg.baselines:
         with timing.measure("baselines_s"):

@@ -247,6 +247,12 @@ class KGWReadingScorer:
         moved is ``<D, green>``, linear in the key."""
         return {"probes": (candidate - reference).float()}
 
+    def reference_probabilities(self, reference: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each cell's mean next-token probability under the reference: ``A[x] / |A[x]|``
+        (``A[x]`` sums the distributions of the positions that follow ``x``)."""
+        total = reference.double().sum(dim=1, keepdim=True).clamp_min(1e-30)
+        return {"probes": (reference.double() / total).float()}
+
     def key_laws(self) -> dict[str, RowSubsets]:
         """A random key: every context's green list a uniform ``m``-subset of the vocabulary."""
         return {"probes": RowSubsets(self._green_size, self.vocab)}
