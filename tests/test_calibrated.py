@@ -427,10 +427,13 @@ class _CurvedScorer:
         return {"owner": float(W.reshape(-1)[0])}
 
 
-def test_a_small_reading_step_makes_undoing_cross_talk_exact_for_a_curved_reading():
-    """Read as applied, a curved detector leaves second-order traces of the other clients'
-    updates in each recovered change; read at a small step (per unit of the estimate), the
-    recovered change is the client's own (its first-order part), whatever the curvature."""
+@pytest.mark.parametrize("undo", ["changes", "updates"])
+def test_a_small_reading_step_makes_undoing_cross_talk_exact_for_a_curved_reading(undo):
+    """Undone on the changes (``undo = "changes"``) and read as applied, a curved detector leaves
+    second-order traces of the other clients' updates in each recovered change; read at a small
+    step (per unit of the estimate), the recovered change is the client's own (its first-order
+    part), whatever the curvature. Undone on the estimates (``undo = "updates"``, the default),
+    every reading is the client's own, as applied too."""
     from fedattr.secagg import SecAggConfig, make_aggregator
 
     K = 10
@@ -439,14 +442,19 @@ def test_a_small_reading_step_makes_undoing_cross_talk_exact_for_a_curved_readin
     stacked = torch.stack([o.reshape(-1) for o in own]).numpy()
     centred = stacked - np.median(stacked, axis=0)
     want = centred / np.linalg.norm(centred, axis=1, keepdims=True) * np.sqrt(6)
-    errors = {}
+    # Each client's own update read as applied through the curve (what a perfect estimator
+    # would give): what undoing cross-talk on the estimates reads at any step.
+    curved = stacked + 0.4 * stacked**2
+    curved = curved - np.median(curved, axis=0)
+    as_own = curved / np.linalg.norm(curved, axis=1, keepdims=True) * np.sqrt(6)
+    errors, own_errors = {}, {}
     # (attribution.reading_step, the detector's own step)
     for step, own_step in [(1.0, None), (1e-4, None), (None, 1e-4), (1.0, 1e-4), (None, None)]:
         sa = make_aggregator(SecAggConfig(backend="plaintext"))
         sa.open_round(1, range(K))
         for j in range(K):
             sa.submit(j, {"a": own[j]})
-        fed = FedAttr(AttributionConfig(null_keys=0, reading_step=step))
+        fed = FedAttr(AttributionConfig(null_keys=0, reading_step=step, undo=undo))
         reference = {"a": torch.zeros(3, 2, dtype=torch.float64)}
         scorer = _CurvedScorer()
         if own_step is not None:
@@ -457,10 +465,17 @@ def test_a_small_reading_step_makes_undoing_cross_talk_exact_for_a_curved_readin
         errors[step, own_step] = max(
             float(np.abs(W[i]["owner"].numpy().reshape(-1) - want[i]).max()) for i in range(K)
         )
+        own_errors[step, own_step] = max(
+            float(np.abs(W[i]["owner"].numpy().reshape(-1) - as_own[i]).max()) for i in range(K)
+        )
     exact = [errors[1e-4, None], errors[None, 1e-4]]
     # As applied (the default for a detector that asks nothing, or the setting overriding it).
     applied = [errors[1.0, None], errors[1.0, 1e-4], errors[None, None]]
-    assert max(exact) < 1e-3 and min(applied) > 0.1
+    assert max(exact) < 1e-3
+    if undo == "changes":
+        assert min(applied) > 0.1
+    else:  # read as applied, each client's own update exactly
+        assert max(own_errors[k] for k in [(1.0, None), (1.0, 1e-4), (None, None)]) < 1e-6
     with pytest.raises(ConfigError, match=r"attribution\.reading_step"):
         load(RunConfig, None, ["attribution.reading_step=0"])
 

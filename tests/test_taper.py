@@ -78,7 +78,7 @@ def test_a_taper_keeps_undoing_cross_talk_exact_and_the_round_key_free():
 
 
 def test_taper_settings_are_checked():
-    assert AttributionConfig().taper_from == 0.01
+    assert (AttributionConfig().taper, AttributionConfig().taper_from) == (0.5, 0.01)
     for bad in ("attribution.taper=-1", "attribution.taper=3", "attribution.taper_from=0"):
         with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
             load(RunConfig, None, [bad])

@@ -55,7 +55,7 @@ from scipy.stats import norm
 from ..errors import UserError
 from ..watermarks.tail import KeyLaw, RowSubsets, Tail, law_from_dict
 from .config import AttributionConfig
-from .design import QueryDesign
+from .design import QueryDesign, own_update_design
 from .stouffer import AttributionReport, ClientAttribution
 
 Parts = dict[str, torch.Tensor]
@@ -158,6 +158,51 @@ def cross_talk(
         return None
     A = _design_matrix(designs, targets)
     return A if np.linalg.cond(A) < 1e8 else None
+
+
+def undo_updates(
+    participants: Sequence[int],
+    targets: Sequence[int],
+    designs: Sequence[QueryDesign],
+    updates: Sequence[Any],
+    decorrelate: bool = True,
+) -> tuple[list[Any], list[QueryDesign]] | None:
+    """Each target's own update from the round's estimates, ``A^{-1}`` applied to the estimates
+    themselves (``attribution.undo = "updates"``), with the designs that now describe them (each
+    its client's update alone); ``None`` where the round's cross-talk cannot be undone.
+
+    Undoing cross-talk on the changes instead (``A^{-1}`` over the read changes) is exact only
+    for the part of a change that is linear in the estimate: read as applied, a curved detector
+    (a softmax) keeps second-order traces of the other clients' updates in each recovered
+    change, and loses part of the client's own. Undone here, every model read is
+    ``w^{t-1} + Delta_i`` exactly (up to float rounding), as a perfect estimator would give.
+    This reveals nothing the released estimates do not already determine jointly: ``A`` is
+    invertible exactly when they do (Finding 1)."""
+    A = cross_talk(participants, targets, designs, decorrelate)
+    if A is None:
+        return None
+    inv = np.linalg.inv(A)
+    own: list[Any] = []
+    for i in range(len(targets)):
+        # Summed in float64, one estimate at a time, in a fixed order (as the changes are).
+        if isinstance(updates[0], Mapping):
+            own.append(
+                {
+                    name: sum(
+                        (float(inv[i, k]) * u[name].double() for k, u in enumerate(updates)),
+                        torch.zeros_like(updates[0][name], dtype=torch.float64),
+                    ).to(updates[0][name].dtype)
+                    for name in updates[0]
+                }
+            )
+        else:
+            own.append(
+                sum(
+                    (float(inv[i, k]) * u.double() for k, u in enumerate(updates)),
+                    torch.zeros_like(updates[0], dtype=torch.float64),
+                ).to(updates[0].dtype)
+            )
+    return own, [own_update_design(t, targets) for t in targets]
 
 
 def _median(X: torch.Tensor) -> torch.Tensor:

@@ -51,19 +51,25 @@ class AttributionConfig:
     """``calibrated`` with KGW: remove from each client's change what it does to a token in
     every context alike (drift towards frequent tokens, which no per-context green list is
     aligned with) before it is read with the key. Key-free, so the exact tail still holds."""
-    taper: float = 0.0
+    taper: float = 0.5
     """``calibrated`` with KGW: read each cell of a change with weight ``min(1, taper_from /
     p) ** taper``, ``p`` its token's probability under the round's reference model (key-free:
-    the exact tail still holds). 0 reads every cell alike; 0.5 reads a likely token's change
+    the exact tail still holds). 0.5 (default since 2026-11-26) reads a likely token's change
     over ``sqrt(p)``, the Fisher-information scale of a probability, where it is mostly the
-    client's drift rather than a key's signal (see :func:`~fedattr.attribution.calibrated.
-    taper_weights`)."""
+    client's drift rather than a key's signal; 0 reads every cell alike, as before (see
+    :func:`~fedattr.attribution.calibrated.taper_weights`)."""
     taper_from: float = 0.01
     """``calibrated`` with KGW: the probability above which :attr:`taper` lowers a cell's
     weight (below it every cell keeps weight 1)."""
     decorrelate: bool = True
     """``calibrated``: when every participant is a target of the round, undo cross-talk with the
     known design matrix (each client's own statistic per key, from its estimates only)."""
+    undo: Literal["updates", "changes"] = "updates"
+    """``calibrated``, where cross-talk is undone: ``updates`` (default since 2026-11-26) applies
+    the inverse design matrix to the round's estimates and reads each client's own update
+    (exact whatever the detector's curvature; it reveals nothing the estimates do not already
+    determine jointly); ``changes`` applies it to the read changes instead, exact only for their
+    part that is linear in the estimate (see ``reading_step``)."""
     N: int = 5
     """Size of the V-subsets (U-subsets have N+1 members)."""
     M: int = 5

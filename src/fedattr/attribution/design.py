@@ -153,6 +153,14 @@ class QueryDesign:
         return coef
 
 
+def own_update_design(target: int, participants: Sequence[int]) -> QueryDesign:
+    """The design of an estimate that is ``target``'s own update alone (weight 1 on it, 0 on
+    every other participant): a client's update recovered from a round's estimates, or read
+    directly (the ceiling)."""
+    alone = DesignStats({}, 0.0, 0.0, 0.0, True)
+    return QueryDesign(target, ((target,),), ((),), alone, 0, tuple(participants))
+
+
 def _random_subsets(rng: np.random.Generator, pool: np.ndarray, size: int, count: int) -> list:
     return [
         tuple(sorted(int(x) for x in rng.choice(pool, size, replace=False))) for _ in range(count)

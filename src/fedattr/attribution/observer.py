@@ -15,7 +15,7 @@ from typing import Any
 from ..fl.pool import PlaintextTap
 from ..fl.server import Observer, RoundContext, RunEnd
 from ..updates import scale_update
-from .design import DesignStats, QueryDesign
+from .design import own_update_design
 from .protocol import FedAttr
 from .records import Estimate, RoundEstimates
 
@@ -160,9 +160,6 @@ class CeilingObserver(AttributionObserver):
         layout = ctx.sa.layout
         out = RoundEstimates(ctx.round, list(answered), layout)
         for c in answered:
-            alone = QueryDesign(
-                c, ((c,),), ((),), DesignStats({}, 0.0, 0.0, 0.0, True), 0, tuple(answered)
-            )
             flat = layout.flatten(scale_update(self.tap.updates[c], scales[c]))
-            out.estimates.append(Estimate(c, flat, alone, 1, 0.0))
+            out.estimates.append(Estimate(c, flat, own_update_design(c, answered), 1, 0.0))
         return out

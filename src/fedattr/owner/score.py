@@ -86,7 +86,12 @@ class OwnerScorer:
     def score(self, folder: str | Path, manifest: dict | None = None) -> Path:
         """Score one round folder (``manifest``: its :func:`read_manifest`, when the caller
         has already checked it); returns the scores file written there."""
-        from ..attribution.calibrated import cross_talk, standardise_round, taper_weights
+        from ..attribution.calibrated import (
+            cross_talk,
+            standardise_round,
+            taper_weights,
+            undo_updates,
+        )
         from ..attribution.round_folder import design_from_dict
         from ..attribution.scoring import observe_all
 
@@ -102,6 +107,13 @@ class OwnerScorer:
         needs_center = (
             cross_talk(manifest["participants"], manifest["targets"], designs, decorrelate) is None
         )
+        attribution = self.config.attribution
+        targets = manifest["targets"]
+        if attribution.undo == "updates":
+            # As the server's in-process scoring: cross-talk undone on the estimates.
+            undone = undo_updates(manifest["participants"], targets, designs, updates, decorrelate)
+            if undone is not None:
+                updates, designs = undone
         # The same reads, in the same order, as the server's in-process scoring.
         ref_obs = scorer.observe(reference)
         observed = list(observe_all(scorer, (self.apply(reference, u) for u in updates)))
@@ -110,7 +122,6 @@ class OwnerScorer:
         changes = [scorer.change(ref_obs, o) for o in observed]
         middle = changes.pop() if needs_center else None
         laws = scorer.key_laws()
-        attribution = self.config.attribution
         weights = taper_weights(scorer, ref_obs, attribution.taper, attribution.taper_from)
         standard, _ = standardise_round(
             manifest["participants"],
