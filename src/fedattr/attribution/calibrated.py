@@ -182,27 +182,29 @@ def undo_updates(
     if A is None:
         return None
     inv = np.linalg.inv(A)
+    first = updates[0]
     own: list[Any] = []
     for i in range(len(targets)):
-        # Summed in float64, one estimate at a time, in a fixed order (as the changes are).
-        if isinstance(updates[0], Mapping):
+        if isinstance(first, Mapping):
             own.append(
                 {
-                    name: sum(
-                        (float(inv[i, k]) * u[name].double() for k, u in enumerate(updates)),
-                        torch.zeros_like(updates[0][name], dtype=torch.float64),
-                    ).to(updates[0][name].dtype)
-                    for name in updates[0]
+                    name: _combination(inv[i], [u[name] for u in updates]).to(t.dtype)
+                    for name, t in first.items()
                 }
             )
         else:
-            own.append(
-                sum(
-                    (float(inv[i, k]) * u.double() for k, u in enumerate(updates)),
-                    torch.zeros_like(updates[0], dtype=torch.float64),
-                ).to(updates[0].dtype)
-            )
+            own.append(_combination(inv[i], list(updates)).to(first.dtype))
     return own, [own_update_design(t, targets) for t in targets]
+
+
+def _combination(weights: np.ndarray, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``sum_k weights[k] * tensors[k]`` in float64, term by term in a fixed order (not a matrix
+    product, whose summation order depends on the threads that run it): the same bits in a
+    background scorer as in line."""
+    total = torch.zeros_like(tensors[0], dtype=torch.float64)
+    for w, t in zip(weights, tensors, strict=True):
+        total = total + float(w) * t.double()
+    return total
 
 
 def _median(X: torch.Tensor) -> torch.Tensor:
@@ -244,18 +246,9 @@ def standardise_round(
         if center_part is not None and weights is not None and part in weights:
             center_part = center_part * weights[part].reshape(-1).to(Y)
         if A is not None:
-            # Row by row in float64 (not a matrix product, whose summation order depends on
-            # the threads that run it): the same bits in a background scorer as in line.
+            # Row by row in float64 (see _combination): the same bits wherever it runs.
             inv = np.linalg.inv(A)
-            X = torch.stack(
-                [
-                    sum(
-                        (float(inv[i, k]) * Y[k].double() for k in range(len(Y))),
-                        torch.zeros(Y.shape[1], dtype=torch.float64, device=Y.device),
-                    ).float()
-                    for i in range(len(Y))
-                ]
-            )
+            X = torch.stack([_combination(inv[i], list(Y)).float() for i in range(len(Y))])
             C = _median(X)
         else:
             X = Y
