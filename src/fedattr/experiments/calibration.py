@@ -420,7 +420,8 @@ def _qq_plot(summary: dict, path: Path) -> None:
         ylabel="observed null p",
         title="null p-values against uniform",
     )
-    ax.legend(fontsize=8, loc="upper left")
+    # Lower right: below the diagonal only an anti-conservative reading would put points there.
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
