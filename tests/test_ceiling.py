@@ -61,3 +61,33 @@ def test_a_run_with_the_ceiling_reports_it_beside_fedattr(tiny_cache):
     assert own != true
     with pytest.raises(ConfigError, match="ceiling"):
         load(RunConfig, None, ["ceiling=true", "attribution.scoring=owner"])
+
+
+def test_calibration_summarises_every_reading_the_runs_carry():
+    """``experiment calibration`` reports the ceiling (and any variant) beside the run's own
+    reading and the paper's, where every run carries it; a calibrated variant's null pairs are
+    read by their p, the paper's by its Z."""
+    from fedattr.experiments.calibration import summarize
+
+    def clients(flags):
+        return [
+            {"id": i, "watermarked": i == 0, "flagged": f, "p": 0.5, "Z": 0.0, "statistic": "o"}
+            for i, f in enumerate(flags)
+        ]
+
+    def run(extra):
+        view = {"statistic": "calibrated", "clients": clients([True, False]), "by_statistic": {}}
+        variants = {
+            "paper": {"statistic": "paper", "clients": clients([True, True]), "by_statistic": {}},
+            "ceiling": {**view, "clients": clients([False, False])},
+            **extra,
+        }
+        return {**view, "federation": {"watermarked": {"0": "o"}}, "variants": variants}
+
+    only_one = {"untapered": {"statistic": "calibrated", "clients": clients([1, 0])}}
+    summary = summarize([run({}), run(only_one)])
+    stats = summary["statistics"]
+    assert list(stats) == ["calibrated", "paper", "ceiling"]  # not a variant one run lacks
+    assert stats["calibrated"]["tpr"] == 1.0 and stats["ceiling"]["tpr"] == 0.0
+    assert stats["paper"]["runs_naming_clean"] == 2 and stats["ceiling"]["runs_naming_clean"] == 0
+    assert stats["ceiling"]["null_p"] == [0.5, 0.5]  # the clean client's p, one per run
