@@ -166,10 +166,11 @@ def undo_updates(
     designs: Sequence[QueryDesign],
     updates: Sequence[Any],
     decorrelate: bool = True,
-) -> tuple[list[Any], list[QueryDesign]] | None:
+) -> tuple[list[Any], list[QueryDesign]]:
     """Each target's own update from the round's estimates, ``A^{-1}`` applied to the estimates
     themselves (``attribution.undo = "updates"``), with the designs that now describe them (each
-    its client's update alone); ``None`` where the round's cross-talk cannot be undone.
+    its client's update alone); the estimates and designs as they are where the round's
+    cross-talk cannot be undone.
 
     Undoing cross-talk on the changes instead (``A^{-1}`` over the read changes) is exact only
     for the part of a change that is linear in the estimate: read as applied, a curved detector
@@ -180,7 +181,7 @@ def undo_updates(
     invertible exactly when they do (Finding 1)."""
     A = cross_talk(participants, targets, designs, decorrelate)
     if A is None:
-        return None
+        return list(updates), list(designs)
     inv = np.linalg.inv(A)
     first = updates[0]
     own: list[Any] = []
@@ -240,11 +241,11 @@ def standardise_round(
     out: list[Parts] = [{} for _ in targets]
     for part, law in laws.items():
         Y = torch.stack([c[part].reshape(-1).float() for c in changes])
-        if weights is not None and part in weights:
-            Y = Y * weights[part].reshape(-1).to(Y)
         center_part = center[part].reshape(-1).to(Y) if center is not None else None
-        if center_part is not None and weights is not None and part in weights:
-            center_part = center_part * weights[part].reshape(-1).to(Y)
+        if weights is not None and part in weights:
+            w = weights[part].reshape(-1).to(Y)
+            Y = Y * w
+            center_part = None if center_part is None else center_part * w
         if A is not None:
             # Row by row in float64 (see _combination): the same bits wherever it runs.
             inv = np.linalg.inv(A)

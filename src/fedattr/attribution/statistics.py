@@ -242,14 +242,11 @@ class CalibratedStatistic(Statistic):
         ):
             center = None
         extra = [] if center is None else [center]
-        read = (updates, designs)
         if self.config.undo == "updates":
             # Cross-talk undone on the estimates: each model read is w + Delta_i itself.
-            undone = undo_updates(
+            updates, designs = undo_updates(
                 estimates.participants, targets, designs, updates, self.calibrated.decorrelate
             )
-            read = undone if undone is not None else read
-        updates, designs = read
         step = self.config.reading_step
         if step is None:
             step = scorer.reading_step if isinstance(scorer, SteppedReading) else 1.0

@@ -108,12 +108,11 @@ class OwnerScorer:
             cross_talk(manifest["participants"], manifest["targets"], designs, decorrelate) is None
         )
         attribution = self.config.attribution
-        targets = manifest["targets"]
         if attribution.undo == "updates":
             # As the server's in-process scoring: cross-talk undone on the estimates.
-            undone = undo_updates(manifest["participants"], targets, designs, updates, decorrelate)
-            if undone is not None:
-                updates, designs = undone
+            updates, designs = undo_updates(
+                manifest["participants"], manifest["targets"], designs, updates, decorrelate
+            )
         # The same reads, in the same order, as the server's in-process scoring.
         ref_obs = scorer.observe(reference)
         observed = list(observe_all(scorer, (self.apply(reference, u) for u in updates)))
