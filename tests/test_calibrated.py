@@ -509,3 +509,113 @@ def test_reread_gives_a_finished_runs_verdicts_again_from_its_saved_changes(tmp_
     capsys.readouterr()
     assert main([*common, "--reread"]) == 2
     assert "holds no changes.safetensors" in capsys.readouterr().err
+
+
+class _GreenListScorer:
+    """A KGW-like detector: each owner's key a green mask over ``[rows, V]``, lent to the
+    verdict (``owner_keys``)."""
+
+    exchangeable_rounds = None
+
+    def __init__(self, keys):
+        self.keys = keys
+
+    def key_laws(self):
+        from fedattr.watermarks.tail import RowSubsets
+
+        G = next(iter(self.keys.values()))
+        return {"probes": RowSubsets(int(G[0].sum()), G.shape[1])}
+
+    def owner_values(self, part, W):
+        G = next(iter(self.keys.values()))
+        W = W.reshape(G.shape).double()
+        return {o: float(W[g].sum()) for o, g in self.keys.items()}
+
+    def owner_keys(self, part):
+        return dict(self.keys)
+
+
+@pytest.mark.parametrize("few_cells", ["shifted-keys", "bound"])
+def test_a_change_on_few_cells_reads_p_by_shifting_the_owner_key(few_cells):
+    """Client 0's change puts a few large cells on owner a's green tokens: its analytic tail is
+    only a bound (patterns); with the key lent, p comes from the shifted-key test instead
+    (smaller, and never below the floor ``level / 100`` it adds); ``few_cells = "bound"`` keeps
+    the bound."""
+    from fedattr.attribution.calibrated import SHIFTED_FLOOR
+
+    rng = np.random.default_rng(2)
+    K, rows, V, m = 6, 40, 64, 16
+    keys = {}
+    for owner in ("a", "b"):
+        G = torch.zeros(rows, V, dtype=torch.bool)
+        for x in range(rows):
+            G[x, torch.from_numpy(rng.choice(V, m, replace=False))] = True
+        keys[owner] = G
+    own = 0.02 * rng.normal(size=(K, rows, V))
+    for x in range(8):  # one large cell in each of eight rows: few effective cells
+        v = int(np.flatnonzero(keys["a"][x].numpy())[0])
+        own[0, x, v] += 0.4
+        own[1 + x % (K - 1), x, rng.integers(V)] += 1.0  # clean clients' large cells, anywhere
+    designs = [draw_design(range(K), i, 3, 3, rng) for i in range(K)]
+    A = np.array([[d.coefficients()[j] for j in range(K)] for d in designs])
+    estimates = np.einsum("ij,jxv->ixv", A, own)
+    null = CalibratedNull(alpha=0.05, null_keys=0, few_cells=few_cells)
+    changes = [{"probes": torch.tensor(e)} for e in estimates]
+    null.add_round(
+        1, list(range(K)), list(range(K)), designs, changes, None, _GreenListScorer(keys)
+    )
+    rep = null.report({i: i == 0 for i in range(K)})
+    bound = CalibratedNull(alpha=0.05, null_keys=0, few_cells="bound")
+    bound.add_round(
+        1, list(range(K)), list(range(K)), designs, changes, None, _GreenListScorer(keys)
+    )
+    before = {c.id: c for c in bound.report().clients}
+    floor = rep.level * SHIFTED_FLOOR
+    for c in rep.clients:
+        if few_cells == "bound" or before[c.id].tail not in ("patterns", "chernoff"):
+            assert (c.tail, c.log10_p) == (before[c.id].tail, before[c.id].log10_p)
+        else:  # Bonferroni over the two owners doubles each owner's p
+            assert c.tail == "shifted-keys" and c.p >= 2 * floor
+    if few_cells == "shifted-keys":
+        assert before[0].tail == "patterns" and rep.clients[0].tail == "shifted-keys"
+        assert rep.clients[0].p < before[0].p / 2
+    assert rep.clients[0].flagged and not any(c.flagged for c in rep.clients[1:])
+
+
+def test_reread_rebuilds_a_simulations_keys_and_gives_its_verdicts_again(tiny_cache, tmp_path):
+    """``--reread`` rebuilds the simulated owners' keys of a micro LLM run from its config (the
+    shifted-key test needs them): they read the saved changes as the run's owners did (each
+    value ``Z`` times the change's null sd), and the verdicts come out as the run's; a run read
+    with ``few_cells = "bound"`` gets no keys."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from conftest import small_overrides
+    from fedattr.experiments.calibration import reread_run, simulated_keys
+    from fedattr.experiments.main import run_or_reuse
+    from fedattr.watermarks.tail import law_from_dict
+
+    for few_cells in ("shifted-keys", "bound"):
+        sets = small_overrides(
+            tiny_cache, "attribution.null_keys=0", f"attribution.few_cells={few_cells}"
+        )
+        folder = tmp_path / few_cells
+        run_or_reuse(load(RunConfig, None, sets), folder)
+        saved = json.loads((folder / "results.json").read_text())
+        keys = simulated_keys(folder, saved)
+        if few_cells == "bound":
+            assert keys is None
+            continue
+        ((part, desc),) = saved["key_laws"].items()
+        law, changes = law_from_dict(desc), load_file(str(folder / "changes.safetensors"))
+        for owner, rows in saved["by_statistic"].items():
+            for cid, row in rows.items():
+                W = changes[f"{cid}/{part}"].double()
+                value = float(W.reshape(keys[owner].shape)[keys[owner]].sum())
+                sd = law.variance(W) ** 0.5
+                assert value == pytest.approx(row["Z"] * sd, rel=1e-4, abs=1e-6 * sd)
+        again = reread_run(folder)
+        for old, new in zip(saved["clients"], again["clients"], strict=True):
+            assert new["tail"] == old["tail"]
+            assert new["log10_p"] == pytest.approx(old["log10_p"], abs=1e-3)

@@ -18,6 +18,7 @@ from fedattr.watermarks.tail import (
     effective_cells,
     law_from_dict,
     saddlepoint_log10_sf,
+    shifted_keys_p,
     tilted_monte_carlo,
 )
 
@@ -342,3 +343,65 @@ def test_patterns_bound_is_near_the_exact_tail_where_few_rows_carry_the_change()
         got = 10 ** bound.patterns_log10_sf(z * sd)
         assert exact <= got <= 1.1 * exact + 1e-9
         assert 10 ** chernoff_log10_sf(bound.chernoff, z * sd) > 3 * got
+
+
+def _key(rng: np.random.Generator, rows: int, V: int, m: int) -> np.ndarray:
+    """A KGW-like key: every row a uniform ``m``-subset of the ``V`` columns."""
+    G = np.zeros((rows, V), dtype=bool)
+    for x in range(rows):
+        G[x, rng.choice(V, m, replace=False)] = True
+    return G
+
+
+def test_shifted_keys_read_the_owner_key_shifted_row_by_row():
+    """The test's keys are the owner's rows shifted cyclically: with every other row empty, the
+    reachable values are exactly ``<W_x, roll(G_x, s)>`` over the shifts ``s``, each drawn with
+    probability ``1 / V``, so a value reached by ``j`` of the ``V`` shifts gets p near ``j / V``."""
+    rng = np.random.default_rng(0)
+    V, m = 16, 4
+    W = np.zeros((3, V))
+    W[1] = _centred(rng.normal(size=(1, V)))[0]
+    G = _key(rng, 3, V, m)
+    shifted = np.array([W[1] @ np.roll(G[1], s) for s in range(V)])
+    assert shifted[0] == pytest.approx(float((W * G).sum()))
+    reached = int((shifted >= shifted[0] - 1e-9).sum())
+    p, drawn = shifted_keys_p(W, G, seed=1, max_keys=200_000, hits=2_000)
+    assert drawn < 200_000  # stopped on its hits (Besag and Clifford)
+    assert p == pytest.approx(reached / V, rel=0.1)
+
+
+@pytest.mark.parametrize("dominant", [0.0, 3.0])
+def test_shifted_keys_hold_their_level_over_every_key_of_a_small_bed(dominant):
+    """Every key of a bed small enough to enumerate (two rows, six columns, two green: 225
+    keys), each read with ten seeds: the share of p-values at or below u stays at u or below
+    (binomial noise allowed), with and without a dominant cell per row, where independent cells
+    misread the fixed-size lists' atom. The change is fixed and drawn without the key: the null."""
+    rng = np.random.default_rng(4)
+    V, m = 6, 2
+    W = 0.3 * rng.normal(size=(2, V))
+    W[:, 0] += dominant
+    W = _centred(W)
+    subsets = list(itertools.combinations(range(V), m))
+    ps = []
+    for a, b in itertools.product(subsets, subsets):
+        G = np.zeros((2, V), dtype=bool)
+        G[0, list(a)], G[1, list(b)] = True, True
+        ps += [shifted_keys_p(W, G, seed=[s, *a, *b], max_keys=99, hits=100)[0] for s in range(10)]
+    ps = np.array(ps)
+    for u in (0.05, 0.1, 0.2, 0.5):
+        share = float((ps <= u).mean())
+        assert share <= u + 3 * math.sqrt(u * (1 - u) / len(ps)), (u, share)
+    assert float((ps <= 0.2).mean()) > 0.05  # not a test that never rejects
+
+
+def test_shifted_keys_find_a_key_aligned_change_and_stop_early_on_an_unrelated_one():
+    rng = np.random.default_rng(5)
+    rows, V, m = 20, 64, 16
+    G = _key(rng, rows, V, m)
+    noise = rng.normal(size=(rows, V))
+    aligned = _centred(G - m / V + 0.5 * noise)
+    p, drawn = shifted_keys_p(aligned, G, seed=0, max_keys=10_000)
+    assert p == pytest.approx(1 / 10_001) and drawn == 10_000
+    p, drawn = shifted_keys_p(_centred(noise), G, seed=0, max_keys=10_000, hits=20)
+    assert p > 0.01 and drawn < 10_000
+    assert shifted_keys_p(np.zeros((rows, V)), G, seed=0) == (1.0, 0)

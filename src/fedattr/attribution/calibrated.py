@@ -24,7 +24,9 @@ does not depend on any key, and an owner's statistic is that matrix read with th
    the same, as in Stouffer, and summed over rounds: ``W_i = sum_t (E_it - C_t) / sigma_it``.
 5. **Exact tail.** The owner's statistic is ``<W_i, G>``; with ``W_i`` fixed, its law under a
    random key is known exactly (:mod:`fedattr.watermarks.tail`: exact enumeration, saddlepoint
-   or a Chernoff bound; the method is recorded). Over several owners ``p`` is
+   or a Chernoff bound; where it is a bound and the detector lends the owner's key, an
+   exact randomization test over that key shifted row by row; the method is recorded).
+   Over several owners ``p`` is
    Bonferroni-adjusted and a client is named when it is below ``alpha / K``: family-wise level
    ``alpha`` over clients x owners. ``null_keys`` random keys read ``W_i`` once at the end as a
    check (``p_rank``, resolution ``1 / (null_keys + 1)``).
@@ -53,10 +55,15 @@ import torch
 from scipy.stats import norm
 
 from ..errors import UserError
-from ..watermarks.tail import KeyLaw, RowSubsets, Tail, law_from_dict
+from ..watermarks.tail import KeyLaw, RowSubsets, Tail, law_from_dict, shifted_keys_p
 from .config import AttributionConfig
 from .design import QueryDesign, own_update_design
 from .stouffer import AttributionReport, ClientAttribution
+
+SHIFTED_FLOOR = 0.01
+"""The shifted-key test's p is read above ``level x`` this (see :meth:`CalibratedNull._shifted`)."""
+BOUNDS = ("patterns", "chernoff")
+"""Tail methods that are upper bounds, not the tail itself."""
 
 Parts = dict[str, torch.Tensor]
 """Part name -> a change (or a standardised change): one per key law the detector reads."""
@@ -85,6 +92,17 @@ class LinearKeyScorer(Protocol):
 
     def owner_values(self, part: str, W: torch.Tensor) -> dict[str, float]:
         """``<W, G_owner>`` for every owner whose key reads ``part``."""
+        ...
+
+
+@runtime_checkable
+class OwnerKeys(Protocol):
+    """A detector that lends the verdict its owners' keys as matrices (KGW: green masks), so
+    that where the analytic tail is only a bound, p is read by shifting the owner's own key
+    (:func:`~fedattr.watermarks.tail.shifted_keys_p`)."""
+
+    def owner_keys(self, part: str) -> Mapping[str, torch.Tensor]:
+        """Owner -> ``G`` with ``owner_values(part, W)[owner] == <W, G>``."""
         ...
 
 
@@ -280,8 +298,12 @@ class CalibratedNull:
         name_uncalibrated: bool = False,
         token_centring: bool = False,
         late_rounds: str = "skip",
+        few_cells: str = "shifted-keys",
     ) -> None:
         self.alpha, self.decorrelate, self.token_centring = alpha, decorrelate, token_centring
+        self.few_cells = few_cells
+        # owner -> its key as a matrix, where the detector lends it (see _shifted)
+        self.keys: dict[str, torch.Tensor] = {}
         self.late_rounds = late_rounds
         self.null_keys, self.seed, self.name_uncalibrated = null_keys, seed, name_uncalibrated
         self.W: dict[int, dict[str, torch.Tensor]] = {}  # client -> part -> sum over rounds
@@ -310,6 +332,7 @@ class CalibratedNull:
             c.name_uncalibrated,
             c.token_centring,
             c.late_rounds,
+            c.few_cells,
         )
 
     def decorrelates(
@@ -348,6 +371,9 @@ class CalibratedNull:
         if not targets or not self.reads(round_id, scorer):
             return {}
         laws = scorer.key_laws()
+        if isinstance(scorer, OwnerKeys) and self.few_cells == "shifted-keys":
+            for part in laws:
+                self.keys.update({o: G.cpu() for o, G in scorer.owner_keys(part).items()})
         standard, decorrelated = standardise_round(
             participants,
             targets,
@@ -422,7 +448,7 @@ class CalibratedNull:
         components = {o: AttributionReport(gamma=threshold) for o in owners}
         combined = AttributionReport(gamma=threshold, components=components)
         ranks = self._rank_values(clients)
-        tails = self._tails(clients, owners)
+        tails = self._shifted(self._tails(clients, owners), level)
         for c in clients:
             watermarked = None if truth is None else bool(truth.get(c, False))
             rows = []
@@ -500,6 +526,34 @@ class CalibratedNull:
             return dict(pair for job in jobs for pair in one(job))
         with ThreadPoolExecutor(workers) as pool:
             return dict(pair for pairs in pool.map(one, jobs) for pair in pairs)
+
+    def _shifted(
+        self, tails: dict[tuple[int, str], Tail], level: float
+    ) -> dict[tuple[int, str], Tail]:
+        """Where a tail is only a bound (a change on few cells) and the owner's key is at hand,
+        p by the randomization test over shifted keys, exact at any number of keys.
+
+        The bound is kept where it is already below ``floor = level / 100`` (a client the
+        bound names with room to spare keeps its small p); elsewhere p is the test's p plus
+        ``floor``. That sum is a valid p-value whatever the bound and the test's correlation:
+        ``P(p <= u) <= P(bound <= floor) + P(test <= u - floor) <= u``. Keys are drawn up to
+        ``1 / floor``, so the test alone resolves p down to the floor."""
+        floor = level * SHIFTED_FLOOR
+        owners = sorted(self.parts)
+        out = dict(tails)
+        for (client, owner), tail in tails.items():
+            G = self.keys.get(owner)
+            if G is None or tail.method not in BOUNDS or tail.log10_p <= math.log10(floor):
+                continue
+            W = self.W[client][self.parts[owner]]
+            p, _ = shifted_keys_p(
+                W.cpu().numpy(),
+                G.numpy(),
+                [self.seed, client, owners.index(owner), 0x5E1F],
+                max_keys=math.ceil(1.0 / floor),
+            )
+            out[(client, owner)] = Tail(math.log10(min(1.0, p + floor)), "shifted-keys")
+        return out
 
     def _client_owner(
         self,
@@ -616,6 +670,7 @@ class CalibratedNull:
             "valid": self.valid,
             "cross_talk": sorted(self.cross_talk),
             "rounds_read": self.rounds_read,
+            "keys": self.keys,
         }
 
     def load(self, state: Mapping) -> None:
@@ -630,3 +685,4 @@ class CalibratedNull:
         self.laws, self.parts, self.valid = state["laws"], state["parts"], state["valid"]
         self.cross_talk = set(state.get("cross_talk", []))
         self.rounds_read = dict(state.get("rounds_read", {}))
+        self.keys = dict(state.get("keys", {}))

@@ -51,6 +51,13 @@ class AttributionConfig:
     """``calibrated`` with KGW: remove from each client's change what it does to a token in
     every context alike (drift towards frequent tokens, which no per-context green list is
     aligned with) before it is read with the key. Key-free, so the exact tail still holds."""
+    few_cells: Literal["shifted-keys", "bound"] = "shifted-keys"
+    """``calibrated``, where a change sits on few cells and the analytic tail is only an upper
+    bound (``patterns``, ``chernoff``; 2-4x above the tail): ``shifted-keys`` (default since
+    2026-11-26) reads p by a randomization test over the owner's key shifted row by row, exact
+    at any number of keys, where the detector lends the key (KGW reading; not ``--reread`` or
+    owner scoring, which keep the bound); ``bound`` keeps the bound (see
+    :func:`~fedattr.watermarks.tail.shifted_keys_p`)."""
     taper: float = 0.5
     """``calibrated`` with KGW: read each cell of a change with weight ``min(1, taper_from /
     p) ** taper``, ``p`` its token's probability under the round's reference model (key-free:

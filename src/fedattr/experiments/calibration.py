@@ -124,9 +124,46 @@ def _saved_changes(run: Path) -> Path:
     return file
 
 
+def simulated_keys(folder: str | Path, results: dict) -> dict | None:
+    """The owners' keys of a finished simulation whose owners fedattr played (KGW reading, keys
+    drawn from ``watermark.key_seed``), rebuilt from its ``config.json`` as green masks over its
+    probe contexts, so that reading it again gives the verdicts the run gave (the shifted-key
+    test needs the key). ``None`` where the run's keys are not the simulation's to rebuild: the
+    synthetic bed, FK, owners' key files, owner scoring, ``few_cells = "bound"``."""
+    laws = results.get("key_laws") or {}
+    if not any(law.get("kind") == "row-subsets" and law.get("m", 1) > 1 for law in laws.values()):
+        return None
+    try:
+        cfg = load(RunConfig, Path(folder) / "config.json", [])
+    except UserError:
+        return None  # not a run of the LLM pipeline (the synthetic bed's DemoConfig)
+    wm, att = cfg.watermark, cfg.attribution
+    if (
+        wm.kind != "kgw"
+        or wm.detector != "reading"
+        or wm.key_files
+        or att.scoring != "server"
+        or att.few_cells != "shifted-keys"
+    ):
+        return None
+    from ..fl.federation import detection_records
+    from ..models.loading import load_model
+    from ..models.lora import load_state
+    from ..models.text import encode_examples
+    from ..watermarks.radioactivity import KGWReadingScorer
+    from ..watermarks.registry import WATERMARKS
+
+    model, tokenizer = load_model(cfg.model, lambda _m: None)
+    examples = encode_examples(tokenizer, detection_records(cfg.data, wm), cfg.data.max_len)
+    owners = WATERMARKS["kgw"].owners(wm, len(tokenizer), cfg.fl.K, [])
+    scorer = KGWReadingScorer(model, examples, owners, load_state, pad_id=tokenizer.pad_token_id)
+    return {name: mask.cpu() for name, mask in scorer.green.items()}
+
+
 def reread_run(folder: str | Path) -> dict:
     """A finished run's ``results.json`` with its calibrated verdicts read again from its
-    ``changes.safetensors`` by this fedattr's tails (the run folder is left as it is)."""
+    ``changes.safetensors`` by this fedattr's tails (the run folder is left as it is); a
+    simulation's owners' keys are rebuilt from its config where the tails need them."""
     import copy
     import json
 
@@ -145,6 +182,7 @@ def reread_run(folder: str | Path) -> dict:
         seed=int(attribution.get("seed", 0)),
         name_uncalibrated=bool(attribution.get("name_uncalibrated", False)),
     )
+    null.keys = simulated_keys(folder, results) or {}
     truth = {c["id"]: bool(c["watermarked"]) for c in results["clients"]}
     with torch.no_grad():
         report = null.report(truth)

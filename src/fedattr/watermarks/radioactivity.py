@@ -257,6 +257,10 @@ class KGWReadingScorer:
         """A random key: every context's green list a uniform ``m``-subset of the vocabulary."""
         return {"probes": RowSubsets(self._green_size, self.vocab)}
 
+    def owner_keys(self, part: str) -> dict[str, torch.Tensor]:
+        """Every owner's green mask ``[contexts, vocab]``: ``owner_values`` is ``<W, mask>``."""
+        return dict(self.green)
+
     def owner_values(self, part: str, W: torch.Tensor) -> dict[str, float]:
         """``<W, green>`` under every owner's key (``W`` row-centred: exactly the green mass
         above its null share)."""
