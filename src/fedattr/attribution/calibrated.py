@@ -55,7 +55,14 @@ import torch
 from scipy.stats import norm
 
 from ..errors import UserError
-from ..watermarks.tail import KeyLaw, RowSubsets, Tail, law_from_dict, shifted_keys_p
+from ..watermarks.tail import (
+    SHIFT_MAX_CELLS,
+    KeyLaw,
+    RowSubsets,
+    Tail,
+    law_from_dict,
+    shifted_keys_p,
+)
 from .config import AttributionConfig
 from .design import QueryDesign, own_update_design
 from .stouffer import AttributionReport, ClientAttribution
@@ -543,9 +550,14 @@ class CalibratedNull:
         out = dict(tails)
         for (client, owner), tail in tails.items():
             G = self.keys.get(owner)
-            if G is None or tail.method not in BOUNDS or tail.log10_p <= math.log10(floor):
-                continue
             W = self.W[client][self.parts[owner]]
+            if (
+                G is None
+                or tail.method not in BOUNDS
+                or tail.log10_p <= math.log10(floor)
+                or W.numel() > SHIFT_MAX_CELLS
+            ):
+                continue
             p, _ = shifted_keys_p(
                 W.cpu().numpy(),
                 G.numpy(),

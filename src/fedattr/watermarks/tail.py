@@ -443,6 +443,9 @@ SHIFT_HITS = 100
 Clifford's sequential rule): p is then known to about 10% where it is far from any cut."""
 SHIFT_MAX_KEYS = 1_000_000
 """At most this many shifted keys per (client, owner): p down to ``1 / (1 + 10^6)``."""
+SHIFT_MAX_CELLS = 1 << 28
+"""The test holds one float32 value per cell of the change (1 GB at this many cells); larger
+changes keep their bound."""
 
 
 def shifted_keys_p(
@@ -472,13 +475,16 @@ def shifted_keys_p(
     if len(rows) == 0:
         return 1.0, 0
     cols = W.shape[1]
-    spectrum = np.fft.rfft(W[rows], axis=1) * np.conj(
-        np.fft.rfft(G[rows].astype(np.float64), axis=1)
-    )
     # float32: the test is exact for whatever statistic of the shifted key it computes, as long
     # as the owner's own key goes through the same arithmetic (shift 0 of the same table).
-    c = np.fft.irfft(spectrum, n=cols, axis=1).astype(np.float32)
-    del spectrum
+    c = np.empty((len(rows), cols), dtype=np.float32)
+    step = max(1, (1 << 22) // cols)  # rows per FFT: about 64 MB of spectra at a time
+    for start in range(0, len(rows), step):
+        block = rows[start : start + step]
+        spectrum = np.fft.rfft(W[block], axis=1) * np.conj(
+            np.fft.rfft(G[block].astype(np.float64), axis=1)
+        )
+        c[start : start + len(block)] = np.fft.irfft(spectrum, n=cols, axis=1)
     observed = float(c[:, 0].sum(dtype=np.float64))
     # Sums of the same float32 values in another order differ by rounding: a key within this of
     # the owner's value counts as reaching it (which can only raise p).
