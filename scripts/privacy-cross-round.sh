@@ -32,15 +32,31 @@ import json, math, statistics, sys
 from collections import defaultdict
 from pathlib import Path
 
-groups = defaultdict(list)
+from fedattr.attribution.audit import read_query_log
+from fedattr.attribution.crossround import audit_cross_round
+
+
+def rounds_to_identify(run):
+    """The first t at which rounds 1..t identify every client's mean update (None: never)."""
+    log = read_query_log(run / "queries.jsonl")
+    for t in range(1, max(q["round"] for q in log) + 1):
+        (a,) = audit_cross_round([q for q in log if q["round"] <= t])
+        if len(a.identifiable) == len(a.clients):
+            return t
+    return None
+
+
+groups, first = defaultdict(list), defaultdict(list)
 for f in sorted(Path(sys.argv[1]).glob("*/audit.json")):
     bed, mode, T, _ = f.parent.name.split("-")
     groups[(bed, mode, int(T[1:]))].append(json.loads(f.read_text()))
+    first[(bed, mode, int(T[1:]))].append(rounds_to_identify(f.parent))
 print("| bed | mode | T | runs | recoverable client-rounds / run | max L_j | identifiable "
       "across rounds | of them in no single round | median variance factor | median rel. "
-      "error GLS | OLS | public mean | GLS beats public mean |")
-print("|" + "---|" * 13)
-for (bed, mode, T), runs in sorted(groups.items()):
+      "error GLS | OLS | public mean | GLS beats public mean | rounds until all identifiable |")
+print("|" + "---|" * 14)
+for key, runs in sorted(groups.items()):
+    bed, mode, T = key
     rec = [sum(len(r["recoverable"]) for r in a["rounds"]) for a in runs]
     leak = [v for a in runs for r in a["rounds"] for v in r["leakage"].values()]
     mx = max(math.inf if v == "inf" else v for v in leak)
@@ -55,5 +71,6 @@ for (bed, mode, T), runs in sorted(groups.items()):
     print(f"| {bed} | {mode} | {T} | {len(runs)} | {statistics.mean(rec):.1f} | "
           f"{'∞' if math.isinf(mx) else f'{mx:.4f}'} | {ident}/{n} | {only}/{n} | "
           f"{statistics.median(vf):.3f} | {med('error_gls'):.3g} | {med('error_ols'):.3g} | "
-          f"{med('error_public_mean'):.3g} | {beats}/{len(per)} |")
+          f"{med('error_public_mean'):.3g} | {beats}/{len(per)} | "
+          f"{'never' if None in first[key] else f'{min(first[key])}-{max(first[key])}'} |")
 EOF
