@@ -66,8 +66,9 @@ def test_variance_factor_is_one_over_rounds_when_every_round_recovers_everyone()
     assert a.variance_factor == pytest.approx({0: 0.25, 1: 0.25, 2: 0.25})
 
 
-def _attack(design, updates):
-    """Run the attack on exact answers of ``design`` to ``updates[round]`` (K x d)."""
+def _attack(design, updates, session="fedattr"):
+    """Run the attack on exact answers of ``design`` to ``updates[round]`` (K x d): the
+    results of ``session`` (all sessions' with ``None``)."""
     attack = CrossRoundAttack(3)
     for rec in _records(design):
         row = np.zeros(3)
@@ -75,7 +76,7 @@ def _attack(design, updates):
         attack.answer(rec, row @ updates[rec.round])
         if rec.query_id == len(design[rec.round]) - 1:
             attack.close_round(dict(enumerate(updates[rec.round])))
-    return attack.results()["fedattr"]
+    return attack.results() if session is None else attack.results()[session]
 
 
 def test_gls_recovers_a_persistent_mean_exactly_without_noise():
@@ -182,3 +183,20 @@ def test_answer_taps_see_every_logged_answer_in_process_and_remote():
         for rec, total in seen:  # sum_j c_j Delta_j, before the denominator
             expected = np.array(rec.coefficients) @ updates[list(rec.subset)]
             assert np.allclose(total, expected, atol=1e-6)
+
+
+def test_a_round_with_public_rows_only_counts_for_every_session():
+    # Round 3 has no session's query: its aggregate is still seen by the fedattr session.
+    design = {**TWO_ROUNDS, 3: [AGGREGATE]}
+    records = [r.to_dict() for r in _records(design)]
+    (a,) = audit_cross_round(records)
+    assert a.session == "fedattr" and a.rounds == 3
+    assert a.rounds_present == {0: 3, 1: 3, 2: 3}
+    rng = np.random.default_rng(2)
+    mu = rng.normal(size=(3, 8))
+    out = _attack(design, {1: mu, 2: mu, 3: mu}, session=None)
+    assert list(out) == ["fedattr"]
+    assert all(c["error_gls"] < 1e-10 for c in out["fedattr"]["clients"].values())
+    # Round 1 alone identifies no one; its rows with round 3's aggregate still do not.
+    out = _attack({1: TWO_ROUNDS[1], 3: [AGGREGATE]}, {1: mu, 3: mu}, session=None)
+    assert list(out) == ["fedattr"] and out["fedattr"]["identifiable"] == 0

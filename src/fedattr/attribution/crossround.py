@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -110,6 +110,11 @@ def audit_cross_round(
     per_session: dict[str, list[tuple[list[int], np.ndarray]]] = {}
     for _, session, _, ids, rows in round_designs(list(queries)):
         per_session.setdefault(session, []).append((ids, rows))
+    if len(per_session) > 1 and "" in per_session:
+        # A round where no session asked released only public rows: every session saw them.
+        public = per_session.pop("")
+        for designs in per_session.values():
+            designs.extend(public)
     out = []
     for session, designs in sorted(per_session.items()):
         ids = sorted(set(clients) if clients is not None else {c for i, _ in designs for c in i})
@@ -158,6 +163,11 @@ class _Stacked:
     public_n: np.ndarray
 
 
+def _plus(a: _Stacked, b: _Stacked) -> _Stacked:
+    """The sums of two sets of rounds (every field is a sum over rounds)."""
+    return _Stacked(*(getattr(a, f.name) + getattr(b, f.name) for f in fields(_Stacked)))
+
+
 @dataclass
 class CrossRoundAttack:
     """The server's cross-round reconstruction of every client's mean update, run on what it
@@ -169,10 +179,12 @@ class CrossRoundAttack:
     """
 
     num_clients: int
-    _pending: list[tuple[QueryRecord, np.ndarray]] = field(default_factory=list)
-    _sessions: dict[str, _Stacked] = field(default_factory=dict)
-    _truth_sum: np.ndarray | None = None
-    _truth_n: np.ndarray | None = None
+    _pending: list[tuple[QueryRecord, np.ndarray]] = field(
+        default_factory=list, init=False, repr=False
+    )
+    _sessions: dict[str, _Stacked] = field(default_factory=dict, init=False, repr=False)
+    _truth_sum: np.ndarray | None = field(default=None, init=False, repr=False)
+    _truth_n: np.ndarray | None = field(default=None, init=False, repr=False)
 
     def answer(self, record: QueryRecord, total: np.ndarray) -> None:
         """One answered query: its record and result ``sum_j c_j Delta_j``."""
@@ -231,8 +243,13 @@ class CrossRoundAttack:
         truth = np.zeros_like(self._truth_sum)
         truth[seen] = self._truth_sum[seen] / self._truth_n[seen, None]
         norms = np.linalg.norm(truth, axis=1)
+        sessions = dict(self._sessions)
+        if len(sessions) > 1 and "" in sessions:
+            # Rounds where no session asked released only public rows, seen by every session.
+            public = sessions.pop("")
+            sessions = {name: _plus(acc, public) for name, acc in sessions.items()}
         out = {}
-        for session, acc in sorted(self._sessions.items()):
+        for session, acc in sorted(sessions.items()):
             ok = _in_range(acc.f)
             gls = _pinv_psd(acc.f) @ acc.gls
             ols = _pinv_psd(acc.gram) @ acc.ols
