@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -46,6 +46,34 @@ class RoundAudit:
         return d
 
 
+def round_designs(
+    queries: Iterable[Mapping], clients: Iterable[int] | None = None
+) -> Iterator[tuple[int, str, list[Mapping], list[int], np.ndarray]]:
+    """Per (round, SA session), in order: ``(round, session, records, client ids, rows)``.
+
+    ``rows[r, k]`` is the coefficient of client ``ids[k]`` in record ``r``. A named session's
+    records come with the round's records outside any session (the public aggregate, which
+    every party sees); a round with no named session is audited as session ``""``. ``clients``
+    as in :func:`audit_queries`.
+    """
+    by_round: dict[int, list[Mapping]] = defaultdict(list)
+    sessions: dict[int, set[str]] = defaultdict(set)
+    for q in queries:
+        by_round[int(q["round"])].append(q)
+        sessions[int(q["round"])].add(q.get("session", ""))
+    fixed = sorted(set(clients)) if clients is not None else None
+    for rnd, session in sorted((r, s) for r in by_round for s in sessions[r] - {""} or {""}):
+        rows_q = [q for q in by_round[rnd] if q.get("session", "") in ("", session)]
+        ids = fixed if fixed is not None else sorted({int(c) for q in rows_q for c in q["subset"]})
+        index = {c: k for k, c in enumerate(ids)}
+        rows = np.zeros((len(rows_q), len(ids)))
+        for r, q in enumerate(rows_q):
+            coefs = q.get("coefficients") or [1] * len(q["subset"])
+            for c, v in zip(q["subset"], coefs, strict=True):
+                rows[r, index[int(c)]] = v
+        yield rnd, session, rows_q, ids, rows
+
+
 def audit_queries(
     queries: Iterable[Mapping], clients: Iterable[int] | None = None
 ) -> list[RoundAudit]:
@@ -56,23 +84,8 @@ def audit_queries(
     attribution configuration of a run with several) are audited per session, each together
     with the queries outside any session, which every party sees.
     """
-    by_round: dict[int, list[Mapping]] = defaultdict(list)
-    sessions: dict[int, set[str]] = defaultdict(set)
-    for q in queries:
-        by_round[int(q["round"])].append(q)
-        sessions[int(q["round"])].add(q.get("session", ""))
     out = []
-    for rnd, session in sorted((r, s) for r in by_round for s in sessions[r] - {""} or {""}):
-        rows_q = [q for q in by_round[rnd] if q.get("session", "") in ("", session)]
-        ids = sorted(
-            set(clients) if clients is not None else {int(c) for q in rows_q for c in q["subset"]}
-        )
-        index = {c: k for k, c in enumerate(ids)}
-        rows = np.zeros((len(rows_q), len(ids)))
-        for r, q in enumerate(rows_q):
-            coefs = q.get("coefficients") or [1] * len(q["subset"])
-            for c, v in zip(q["subset"], coefs, strict=True):
-                rows[r, index[int(c)]] = v
+    for rnd, session, rows_q, ids, rows in round_designs(queries, clients):
         leak = dict(zip(ids, joint_leakage(rows).tolist(), strict=True))
         out.append(
             RoundAudit(
@@ -90,6 +103,12 @@ def audit_queries(
 
 def audit_file(path: str | Path) -> list[RoundAudit]:
     """Audit a query log (``queries.jsonl``); a damaged line is one error naming the line."""
+    return audit_queries(read_query_log(path))
+
+
+def read_query_log(path: str | Path) -> list[dict]:
+    """The records of a query log (``queries.jsonl``), each line checked as
+    :func:`audit_file` checks it."""
     path = Path(path)
     if not path.is_file():
         raise UserError(
@@ -97,12 +116,11 @@ def audit_file(path: str | Path) -> list[RoundAudit]:
             "'fedattr run --out' or 'fedattr demo-protocol --out'"
         )
     with open(path, "rb") as fh:
-        records = [
+        return [
             _query_record(path, lineno, line)
             for lineno, line in enumerate(fh, start=1)
             if line.strip()
         ]
-    return audit_queries(records)
 
 
 def _query_record(path: Path, lineno: int, line: bytes) -> dict:

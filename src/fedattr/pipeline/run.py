@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..attribution.config import AttributionConfig
+from ..attribution.crossround import CrossRoundObserver
 from ..attribution.export import ExportObserver
 from ..attribution.observer import AttributionObserver, CeilingObserver
 from ..attribution.protocol import FedAttr
@@ -440,15 +441,29 @@ def run_demo(
     observers = _observers(
         cfg.attribution_variants(), LinearScorer(synthetic.direction), synthetic.watermarked
     )
+    watchers: list[Observer] = list(observers)
+    cross_round = None
+    if pool is None:
+        # The server's cross-round attack on its answers; the in-process bed knows the true
+        # updates (what each client submitted), which only measure the attack's error.
+        def submitted(t: int, clients: Collection[int]) -> dict[int, Any]:
+            updates, scales = synthetic.updates(t), synthetic.scales(list(clients))
+            return {j: synthetic.scaled(updates[j], scales[j]).double().numpy() for j in clients}
+
+        cross_round = CrossRoundObserver(syn.K, submitted)
+        watchers.append(cross_round)
     engine = RoundEngine(
         pool or synthetic,
         FedAvgServer(),
         sa or make_aggregator(cfg.secagg),
-        list(observers),
+        watchers,
         rounds=syn.rounds,
         seed=syn.seed,
         progress=Progress(progress),
     )
     engine.run(synthetic.initial_params())
     truth = {j: j in synthetic.watermarked for j in range(syn.K)}
-    return _finish(cfg, engine, observers, truth, {"config": to_dict(cfg)})
+    details: dict[str, Any] = {"config": to_dict(cfg)}
+    if cross_round is not None:
+        details["cross_round"] = cross_round.attack.results()
+    return _finish(cfg, engine, observers, truth, details)

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ..attribution.audit import RoundAudit, audit_file
+from ..attribution.audit import RoundAudit, audit_file, read_query_log
+from ..attribution.crossround import CrossRoundAudit, audit_cross_round
 from ..attribution.stouffer import AttributionReport
 from ..config import from_dict, to_dict
 from ..data.loaders import json_lines
@@ -315,6 +316,24 @@ class RunFolder:
         """What the run's SA answers reveal, per round (``queries.jsonl``)."""
         return audit_file(self.file(QUERIES))
 
+    def audit_cross_round(self) -> list[CrossRoundAudit]:
+        """What the run's SA answers reveal across rounds, per SA session (``queries.jsonl``),
+        with the simulation's measured reconstruction where ``results.json`` holds one."""
+        audits = audit_cross_round(read_query_log(self.file(QUERIES)))
+        measured: Any = {}
+        if self.file(RESULTS).is_file():
+            try:
+                measured = self.results().get("cross_round", {})
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+                raise UserError(
+                    f"{self.option}: {str(self.file(RESULTS))!r} cannot be read ({exc}); the "
+                    "folder is damaged: re-run or restore it"
+                ) from exc
+        for a in audits:
+            found = measured.get(a.session) if isinstance(measured, dict) else None
+            a.reconstruction = found if isinstance(found, dict) else None
+        return audits
+
     def results(self) -> dict:
         """``results.json`` of a finished run."""
         return json.loads(self.file(RESULTS).read_text())
@@ -331,3 +350,11 @@ def audit_run(run_dir: str | Path) -> list[RoundAudit]:
         "written by 'fedattr run --out' or 'fedattr demo-protocol --out'"
     )
     return folder.audit()
+
+
+def audit_run_cross_round(run_dir: str | Path) -> list[CrossRoundAudit]:
+    """:meth:`RunFolder.audit_cross_round` of the folder ``run_dir`` (``fedattr audit``)."""
+    folder = RunFolder(run_dir, "RUN_DIR").require_existing(
+        "written by 'fedattr run --out' or 'fedattr demo-protocol --out'"
+    )
+    return folder.audit_cross_round()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, ClassVar
 
@@ -57,6 +57,9 @@ class SecureAggregator(ABC):
         self.codec = codec or FixedPointCodec()
         self.release_budget = release_budget
         self.log: list[QueryRecord] = []
+        self.answer_taps: list[Callable[[QueryRecord, np.ndarray], None]] = []
+        """Called with every answered query and its result (``sum_j c_j Delta_j``, before the
+        denominator): what the server receives, for a simulation's cross-round attack."""
         self._round: int | None = None
         self._policy: SessionLedgers | None = None
         self._session = ""
@@ -260,6 +263,8 @@ class SecureAggregator(ABC):
                 self._session,
             )
         )
+        for tap in self.answer_taps:
+            tap(self.log[-1], total)
         return total
 
     def drop(self, client_id: int) -> None:

@@ -27,13 +27,22 @@ EXACT_TOL = 1e-9
 """``||P e_j||^2 >= 1 - EXACT_TOL`` counts as exact recovery (numerical rank tolerance)."""
 
 
+def row_space_basis(rows: np.ndarray) -> np.ndarray:
+    """An orthonormal basis (one per row) of the span of ``rows``, by SVD at the numerical
+    rank tolerance every audit uses."""
+    rows = np.atleast_2d(np.asarray(rows, dtype=float))
+    if rows.size == 0:
+        return np.zeros((0, rows.shape[1]))
+    _, s, vt = np.linalg.svd(rows, full_matrices=False)
+    rank = int(np.sum(s > s.max() * max(rows.shape) * np.finfo(float).eps * 10))
+    return vt[:rank]
+
+
 def projection_weights(rows: np.ndarray) -> np.ndarray:
     """``||P e_j||^2`` for every column j, with P the projector onto the rows' span."""
     if rows.size == 0:
         return np.zeros(rows.shape[1] if rows.ndim == 2 else 0)
-    _, s, vt = np.linalg.svd(rows, full_matrices=False)
-    rank = int(np.sum(s > s.max() * max(rows.shape) * np.finfo(float).eps * 10))
-    basis = vt[:rank]
+    basis = row_space_basis(rows)
     return np.clip(np.sum(basis**2, axis=0), 0.0, 1.0)
 
 

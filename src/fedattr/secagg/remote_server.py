@@ -227,7 +227,8 @@ class RemoteMaskingServer(SecureAggregator):
                     answer.error = str(exc)
                     break
                 assert outcome.total is not None and self._round is not None
-                results.append(self.codec.decode(outcome.total) / denominator)
+                total = self.codec.decode(outcome.total)
+                results.append(total / denominator)
                 self.log.append(
                     QueryRecord(
                         self._round,
@@ -241,6 +242,8 @@ class RemoteMaskingServer(SecureAggregator):
                         q.session,
                     )
                 )
+                for tap in self.answer_taps:
+                    tap(self.log[-1], total)
             if answer.chosen is not None and len(results) == len(planned):
                 answer.results = results
             else:
