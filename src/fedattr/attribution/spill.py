@@ -1,0 +1,111 @@
+"""Change matrices kept on disk and read by row blocks (``attribution`` spill).
+
+A client's summed change ``W_i`` has ``contexts x vocab`` cells: at Llama-3's 128,256 tokens and
+8,000 probe contexts that is 1e9 cells, 8 GB in float64 and 4 GB in float32 per client. The
+calibrated statistic reads ``W_i`` only through sums over cells or rows (its owners' values, its
+null variance, the tails' cumulant generating functions, the rank check), so it never needs it
+whole: :class:`DiskRows` keeps it as a float32 file, and every reader takes a block of rows at a
+time (:class:`fedattr.watermarks.tail.Rows`).
+
+Files are read and written with ``pread``/``pwrite``, not memory-mapped: the pages read stay in
+the page cache (reclaimable), not in the process's resident set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..watermarks.tail import block_rows
+
+
+class DiskRows:
+    """A ``[rows, cols]`` float32 matrix in a raw file (row-major), summed into and read by row
+    blocks. A new file reads as zeros (it is created sparse)."""
+
+    def __init__(self, path: str | Path, rows: int, cols: int) -> None:
+        self.path, self.rows, self.cols = Path(path), int(rows), int(cols)
+        size = 4 * self.rows * self.cols
+        with open(self.path, "ab") as f:
+            if f.tell() != size:
+                f.truncate(size)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(rows, cols)``."""
+        return self.rows, self.cols
+
+    def _read(self, lo: int, hi: int) -> np.ndarray:
+        count = (hi - lo) * self.cols
+        out = np.empty(count, dtype=np.float32)
+        view = memoryview(out).cast("B")
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            done, offset = 0, 4 * lo * self.cols
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise OSError(f"{self.path}: short read at byte {offset + done}")
+                done += n
+        finally:
+            os.close(fd)
+        return out.reshape(hi - lo, self.cols)
+
+    def block(self, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo:hi`` as float64."""
+        return self._read(lo, hi).astype(np.float64)
+
+    def add(self, lo: int, rows: torch.Tensor | np.ndarray) -> None:
+        """``W[lo : lo + len(rows)] += rows``: summed in float64, stored in float32 (one
+        rounding per round, as the saved changes already were)."""
+        x = rows.detach().cpu().double().numpy() if isinstance(rows, torch.Tensor) else rows
+        x = np.asarray(x, dtype=np.float64).reshape(-1, self.cols)
+        hi = lo + len(x)
+        total = np.ascontiguousarray((self._read(lo, hi) + x).astype(np.float32))
+        view = memoryview(total).cast("B")
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            done, offset = 0, 4 * lo * self.cols
+            while done < len(view):
+                done += os.pwritev(fd, [view[done:]], offset + done)
+        finally:
+            os.close(fd)
+
+    def tensor(self) -> torch.Tensor:
+        """The whole matrix as a float32 tensor (memory: all of it)."""
+        return torch.from_numpy(self._read(0, self.rows))
+
+
+def save_changes(path: str | Path, changes: Mapping[str, torch.Tensor | DiskRows]) -> None:
+    """A ``changes.safetensors`` of float32 tensors, written a block of rows at a time where a
+    change is on disk (:class:`DiskRows`), so saving holds no change whole: a file that
+    :func:`safetensors.torch.load_file` reads as those tensors (the format: an 8-byte header
+    length, a JSON header padded with spaces to 8 bytes, then the data at its offsets)."""
+    names = sorted(changes)
+    header: dict[str, dict] = {}
+    offset = 0
+    for name in names:
+        x = changes[name]
+        shape = list(x.shape)
+        size = 4 * int(np.prod(shape))
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name in names:
+            x = changes[name]
+            if isinstance(x, DiskRows):
+                step = block_rows(x.cols)
+                for lo in range(0, x.rows, step):
+                    f.write(x._read(lo, min(x.rows, lo + step)).tobytes())
+            else:
+                f.write(x.detach().float().contiguous().cpu().numpy().tobytes())

@@ -1,0 +1,269 @@
+"""The verdict by row blocks (issue #38): tails, rank check, rounds and sums read a block of rows
+at a time give the verdict of the change held whole."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedattr.attribution.calibrated import (
+    CalibratedNull,
+    ChangeRows,
+    standardise_blocks,
+    standardise_round,
+)
+from fedattr.attribution.design import own_update_design
+from fedattr.attribution.spill import DiskRows, save_changes
+from fedattr.watermarks.tail import BernoulliCells, DenseRows, RowSubsets, random_values_by_rows
+
+
+def _centred(W):
+    return W - W.mean(axis=1, keepdims=True)
+
+
+def _same(a, b, tol=1e-9):
+    assert [t.method for t in a] == [t.method for t in b]
+    for x, y in zip(a, b, strict=True):
+        assert y.log10_p == pytest.approx(x.log10_p, abs=tol, rel=tol)
+
+
+@pytest.mark.parametrize("sd", [None, 0.01])
+def test_saddlepoint_by_row_blocks_is_the_tail_of_the_whole_change(sd, monkeypatch):
+    rng = np.random.default_rng(3)
+    W = _centred(rng.standard_t(3, size=(60, 256)))
+    law = RowSubsets(64, 256)
+    if sd is not None:  # a null sd of 0.01 puts the saddlepoint (s ~ z / sd) beyond S_CAP
+        W *= sd / math.sqrt(law.variance(torch.tensor(W)))
+    sd = math.sqrt(law.variance(torch.tensor(W)))
+    beyond = []
+    direct = BernoulliCells._cells
+
+    def spy(self, w, s):
+        beyond.append(abs(s) > self.S_CAP)
+        return direct(self, w, s)
+
+    monkeypatch.setattr(BernoulliCells, "_cells", spy)
+    values = [-sd, 0.0, 0.3 * sd, 2 * sd, 6 * sd, 20 * sd, 80 * sd]
+    whole = law.tails(torch.tensor(W), values)
+    assert {t.method for t in whole} == {"saddlepoint"}
+    for cells in (256, 7 * 256, 59 * 256):  # one row, uneven blocks, all but one row
+        _same(whole, law.tails(DenseRows(W, 256), values, cells=cells))
+    # Both ways of reading the small cells ran: their cumulant series, and every cell again.
+    assert any(beyond) == (sd < 1) and not all(beyond)
+
+
+def test_patterns_and_chernoff_by_row_blocks_are_the_bounds_of_the_whole_change():
+    rng = np.random.default_rng(4)
+    W = np.zeros((300, 64))
+    W[:4, 0], W[:4, 1] = 3.0, -1.0  # a few rows carry the change: few effective cells
+    W = _centred(W + 0.01 * rng.normal(size=W.shape))
+    law = RowSubsets(16, 64)
+    values = [1.0, 3.0, 6.0, 9.0, 12.0]
+    whole = law.tails(torch.tensor(W), values)
+    assert {t.method for t in whole} == {"patterns", "chernoff"}
+    for cells in (64, 13 * 64):
+        _same(whole, law.tails(DenseRows(W, 64), values, cells=cells))
+
+
+def test_one_pick_per_row_is_exact_also_when_stored_by_rows(tmp_path):
+    rng = np.random.default_rng(5)
+    W = _centred(rng.normal(size=(4, 6))).astype(np.float32).astype(np.float64)
+    disk = DiskRows(tmp_path / "w.f32", 4, 6)
+    disk.add(0, W[:3])
+    disk.add(3, W[3:])
+    law = RowSubsets(1, 6)
+    values = [W[:, 0].sum(), 0.5, -0.2]
+    got = law.tails(disk, values, cells=6)
+    assert {t.method for t in got} == {"exact"}
+    _same(law.tails(torch.tensor(W), values), got, tol=0.0)
+
+
+def test_a_spilled_change_reads_as_its_float32_values_and_sums_in_place(tmp_path):
+    rng = np.random.default_rng(6)
+    A, B = rng.normal(size=(2, 50, 32))
+    disk = DiskRows(tmp_path / "w.f32", 50, 32)
+    assert not disk.block(0, 50).any()  # a new file reads as zeros
+    disk.add(0, torch.tensor(A))
+    for lo in range(0, 50, 7):
+        disk.add(lo, B[lo : lo + 7])
+    want = (A.astype(np.float32).astype(np.float64) + B).astype(np.float32)
+    assert np.array_equal(disk.tensor().numpy(), want)
+    assert np.array_equal(disk.block(10, 20), want[10:20].astype(np.float64))
+    law = RowSubsets(8, 32)
+    dense = torch.from_numpy(want)
+    assert law.variance(disk) == pytest.approx(law.variance(dense), rel=1e-12)
+    values = [0.0, 3.0, 10.0]
+    _same(law.tails(dense, values), law.tails(disk, values, cells=5 * 32))
+
+
+def test_rank_check_by_rows_draws_the_same_keys_for_every_change_and_follows_the_law():
+    rng = np.random.default_rng(7)
+    Ws = [_centred(rng.normal(size=(30, 40))) for _ in range(3)]
+    law = RowSubsets(10, 40)
+    srcs = [DenseRows(W, 40) for W in Ws]
+    together = random_values_by_rows(srcs, 2000, seed=1, m=10, block_bytes=1 << 20)
+    alone = random_values_by_rows(srcs[1:2], 2000, seed=1, m=10, block_bytes=1 << 20)
+    assert together.shape == (3, 2000)
+    assert np.allclose(together[1], alone[0], rtol=1e-5, atol=1e-5)
+    assert np.allclose(together, random_values_by_rows(srcs, 2000, 1, 10, 1 << 20))  # same keys
+    assert law.random_values(srcs, 200, 1).shape == (3, 200)  # Rows: read by rows
+    for W, vals in zip(Ws, together, strict=True):
+        var = 0.25 * 0.75 * (W**2).sum()  # independent cells, rows centred
+        assert vals.mean() == pytest.approx(0.0, abs=4 * math.sqrt(var / 2000))
+        assert vals.var() == pytest.approx(var, rel=0.15)
+    picks = random_values_by_rows(srcs[:1], 500, seed=2, m=1)
+    assert picks.shape == (1, 500)
+    assert picks[0].var() == pytest.approx((Ws[0] ** 2).sum() / 40, rel=0.2)
+
+
+@pytest.mark.parametrize("tokens", [False, True])
+@pytest.mark.parametrize("undone", [True, False])
+def test_a_round_standardised_by_row_blocks_is_the_round_standardised_whole(tokens, undone):
+    gen = torch.Generator().manual_seed(8)
+    rows, V, K = 23, 16, 5
+    law = RowSubsets(4, V)
+    targets = list(range(K))
+    designs = [own_update_design(t, targets) for t in targets]
+    if not undone:  # a round whose cross-talk is kept: centred on the SA mean's change
+        targets = targets[:3]
+        designs = designs[:3]
+    changes = [{"probes": torch.randn(rows, V, generator=gen)} for _ in targets]
+    center = {"probes": torch.randn(rows, V, generator=gen)}
+    weights = {"probes": torch.rand(rows, V, generator=gen) + 0.5}
+    whole, a = standardise_round(
+        list(range(K)), targets, designs, changes, center, {"probes": law}, True, tokens, weights
+    )
+    got = [torch.zeros(rows, V) for _ in targets]
+
+    def sink(part, lo, blocks):
+        for i, b in enumerate(blocks):
+            got[i][lo : lo + len(b)] = b
+
+    readers = [
+        {"probes": ChangeRows(rows, V, lambda lo, hi, c=c: c["probes"][lo:hi])} for c in changes
+    ]
+    b = standardise_blocks(
+        list(range(K)),
+        targets,
+        designs,
+        readers,
+        center,
+        {"probes": law},
+        sink,
+        True,
+        tokens,
+        weights,
+        cells=4 * V,
+    )
+    assert a == b == undone
+    for w, g in zip(whole, got, strict=True):
+        assert torch.allclose(w["probes"], g, atol=1e-6)
+        assert float((g.double() ** 2).sum()) * law.v == pytest.approx(1.0, rel=1e-5)
+
+
+class _Keys:
+    """A scorer over dense random m-subset keys (small sizes), read whole or by rows."""
+
+    exchangeable_rounds = None
+
+    def __init__(self, owners, rows, V, m, seed):
+        gen = torch.Generator().manual_seed(seed)
+        idx = torch.rand(owners, rows, V, generator=gen).argsort(-1)[..., :m]
+        self.green = torch.zeros(owners, rows, V).scatter_(2, idx, 1.0).double()
+        self.law = RowSubsets(m, V)
+
+    def key_laws(self):
+        return {"probes": self.law}
+
+    def owner_values(self, part, W):
+        W = W.reshape(self.green.shape[1:]).double()
+        return {f"o{o}": float((W * g).sum()) for o, g in enumerate(self.green)}
+
+    def owner_values_rows(self, part, rows, lo):
+        r = rows.double()
+        g = self.green[:, lo : lo + len(r)]
+        return {f"o{o}": float((r * g[o]).sum()) for o in range(len(g))}
+
+
+def _rounds(null, scorer, rows, V, K=6, T=3, by_rows=False):
+    gen = torch.Generator().manual_seed(9)
+    targets = list(range(K))
+    designs = [own_update_design(t, targets) for t in targets]
+    for t in range(1, T + 1):
+        changes = []
+        for c in targets:
+            x = torch.randn(rows, V, generator=gen)
+            if c < len(scorer.green):  # client c carries owner c's key
+                x = x + 0.3 * scorer.green[c].float()
+            changes.append({"probes": ChangeRows(rows, V, lambda lo, hi, x=x: x[lo:hi])})
+            if not by_rows:
+                changes[-1] = {"probes": x}
+        null.add_round(t, targets, targets, designs, changes, None, scorer)
+    return null
+
+
+def test_spilled_sums_by_row_blocks_give_the_verdicts_of_the_sums_held_whole(tmp_path):
+    rows, V = 40, 32
+    scorer = _Keys(2, rows, V, 8, seed=10)
+    held = _rounds(CalibratedNull(null_keys=50), scorer, rows, V)
+    spill = tmp_path / "spill"
+    streamed = _rounds(
+        CalibratedNull(null_keys=50, spill=spill, block_cells=7 * V), scorer, rows, V, by_rows=True
+    )
+    assert isinstance(streamed.W[0]["probes"], DiskRows) and any(spill.iterdir())
+    a, b = held.report({c: c < 2 for c in range(6)}), streamed.report({c: c < 2 for c in range(6)})
+    assert [c.flagged for c in a.clients] == [c.flagged for c in b.clients]
+    assert [c.id for c in b.clients if c.flagged] == [0, 1]
+    for x, y in zip(a.clients, b.clients, strict=True):
+        assert (x.tail, x.statistic) == (y.tail, y.statistic)
+        assert y.log10_p == pytest.approx(x.log10_p, abs=1e-5)  # float32 sums on disk
+        assert pytest.approx(x.Z, abs=1e-5) == y.Z
+    # A checkpoint of spilled sums holds them whole; restored, the sums go on on disk.
+    again = CalibratedNull(null_keys=50, spill=tmp_path / "again")
+    again.load(streamed.state())
+    assert isinstance(again.W[0]["probes"], torch.Tensor)
+    zero = {"probes": torch.zeros(rows, V)}
+    again.add(4, 0, zero, {"o0": 0.0}, scorer.key_laws(), {"o0": "probes"})
+    assert isinstance(again.W[0]["probes"], DiskRows)
+    assert torch.equal(again.W[0]["probes"].tensor(), streamed.W[0]["probes"].tensor())
+
+
+def test_changes_saved_by_row_blocks_read_as_safetensors_wrote_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(11)
+    disk = DiskRows(tmp_path / "w.f32", 9, 5)
+    disk.add(0, torch.randn(9, 5, generator=gen))
+    held = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    save_changes(tmp_path / "new.safetensors", {"1/probes": disk, "0/probes": held})
+    save_file(
+        {"1/probes": disk.tensor(), "0/probes": held.float()}, str(tmp_path / "old.safetensors")
+    )
+    new, old = load_file(str(tmp_path / "new.safetensors")), load_file(tmp_path / "old.safetensors")
+    assert new.keys() == old.keys()
+    for k in new:
+        assert new[k].dtype == torch.float32 and torch.equal(new[k], old[k])
+
+
+def test_a_run_folder_saved_before_the_streamed_writer_reads_again(tmp_path):
+    """A run folder whose ``changes.safetensors`` safetensors itself wrote (as every run before
+    issue #38) gives the same verdicts again as the one this fedattr writes."""
+    from safetensors.torch import load_file, save_file
+
+    from fedattr.config import load
+    from fedattr.experiments.calibration import reread_run
+    from fedattr.pipeline.config import DemoConfig
+    from fedattr.pipeline.run import run_demo
+
+    cfg = load(DemoConfig, None, ["synthetic.dim=256", "secagg.backend=plaintext"])
+    run_demo(cfg, progress=lambda _m: None).write(tmp_path / "run")
+    file = tmp_path / "run" / "changes.safetensors"
+    now = reread_run(tmp_path / "run")
+    save_file(load_file(str(file)), str(file))  # the writer runs used before
+    before = reread_run(tmp_path / "run")
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert now["flagged"] == before["flagged"] == saved["flagged"]
+    for x, y in zip(now["clients"], before["clients"], strict=True):
+        assert (x["log10_p"], x["tail"], x["p_rank"]) == (y["log10_p"], y["tail"], y["p_rank"])
