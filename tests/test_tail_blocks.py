@@ -267,3 +267,74 @@ def test_a_run_folder_saved_before_the_streamed_writer_reads_again(tmp_path):
     assert now["flagged"] == before["flagged"] == saved["flagged"]
     for x, y in zip(now["clients"], before["clients"], strict=True):
         assert (x["log10_p"], x["tail"], x["p_rank"]) == (y["log10_p"], y["tail"], y["p_rank"])
+
+
+def test_the_reading_detector_reads_its_owners_by_rows_as_whole(tiny_cache):
+    import gc
+
+    from conftest import MICRO_TINY
+    from fedattr.attribution import AttributionConfig
+    from fedattr.data.corpus import generate_corpus
+    from fedattr.models.config import ModelConfig, TinyModelConfig
+    from fedattr.models.loading import load_model
+    from fedattr.models.text import encode_examples
+    from fedattr.watermarks.kgw import KGWScheme
+    from fedattr.watermarks.radioactivity import KGWReadingScorer
+
+    model, tok = load_model(
+        ModelConfig(cache_dir=str(tiny_cache), tiny=TinyModelConfig(**MICRO_TINY)), lambda m: None
+    )
+    texts = encode_examples(tok, generate_corpus(8, seed=3), 64)
+    keys = {"a": KGWScheme(5, len(tok)), "b": KGWScheme(6, len(tok))}
+    scorer = KGWReadingScorer(model, texts, keys, lambda m, p: None)
+    rows, V = len(scorer.contexts), scorer.vocab
+    W = torch.randn(rows, V, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    whole = scorer.owner_values("probes", W)
+    parts = [scorer.owner_values_rows("probes", W[lo : lo + 3], lo) for lo in range(0, rows, 3)]
+    for name in keys:
+        assert sum(p[name] for p in parts) == pytest.approx(whole[name], rel=1e-12, abs=1e-9)
+    null = CalibratedNull.of(AttributionConfig(spill=True))
+    folder = null.spill
+    assert folder is not None and folder.is_dir()
+    del null
+    gc.collect()
+    assert not folder.exists()  # a run's temporary sums go with it
+
+
+def test_a_short_run_with_spilled_sums_gives_the_verdicts_of_one_held_in_memory(
+    tiny_cache, tmp_path, monkeypatch
+):
+    """``attribution.spill``: the reading detector's rounds standardised by row blocks, the sums
+    on disk; the verdicts and saved changes of the run held in memory (float32 sums: ~1e-6)."""
+    from safetensors.torch import load_file
+
+    from conftest import small_overrides
+    from fedattr.config import load
+    from fedattr.pipeline.config import RunConfig
+    from fedattr.pipeline.run import run_experiment
+
+    added = []
+    add = DiskRows.add
+    monkeypatch.setattr(
+        DiskRows, "add", lambda self, lo, rows: added.append(lo) or add(self, lo, rows)
+    )
+    results = {}
+    for spill in (False, True):
+        cfg = load(
+            RunConfig, None, small_overrides(tiny_cache, f"attribution.spill={str(spill).lower()}")
+        )
+        result = run_experiment(cfg, progress=lambda _m: None)
+        result.write(tmp_path / str(spill))
+        results[spill] = result.to_dict()
+        assert bool(added) == spill  # the sums went to disk only when spilled
+    held, spilled = results[False], results[True]
+    assert held["flagged"] == spilled["flagged"]
+    for a, b in zip(held["clients"], spilled["clients"], strict=True):
+        assert b["log10_p"] == pytest.approx(a["log10_p"], abs=1e-5)
+        assert (a["tail"], a["statistic"]) == (b["tail"], b["statistic"])
+        assert b["z"] == pytest.approx(a["z"], abs=1e-5)
+    a = load_file(str(tmp_path / "False" / "changes.safetensors"))
+    b = load_file(str(tmp_path / "True" / "changes.safetensors"))
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6)

@@ -58,7 +58,7 @@ from ..errors import UserError
 from ..watermarks.tail import KeyLaw, RowSubsets, Tail, law_from_dict
 from .config import AttributionConfig
 from .design import QueryDesign, own_update_design
-from .spill import DiskRows
+from .spill import DiskRows, TemporaryFolder
 from .stouffer import AttributionReport, ClientAttribution
 
 Parts = dict[str, torch.Tensor]
@@ -418,16 +418,20 @@ class CalibratedNull:
         name_uncalibrated: bool = False,
         token_centring: bool = False,
         late_rounds: str = "skip",
-        spill: str | Path | None = None,
+        spill: str | Path | TemporaryFolder | None = None,
         block_cells: int = STANDARDISE_CELLS,
     ) -> None:
         """``spill``: a folder where each client's sums ``W_i`` over a row-centred key law
         (KGW's) are kept as float32 files (:class:`~fedattr.attribution.spill.DiskRows`) and
         read by row blocks, rounds standardised ``block_cells`` at a time where the detector
         reads its owners' values by rows (:class:`RowOwnerValues`): memory no longer grows with
-        clients x contexts x vocabulary. ``None``: every sum in memory, in float64."""
+        clients x contexts x vocabulary (a :class:`~fedattr.attribution.spill.TemporaryFolder`
+        is removed after the last of its files). ``None``: every sum in memory, in float64."""
         self.alpha, self.decorrelate, self.token_centring = alpha, decorrelate, token_centring
-        self.spill = None if spill is None else Path(spill)
+        # A temporary folder is kept alive by the files in it (removed after the last).
+        self._folder = spill if isinstance(spill, TemporaryFolder) else None
+        where = spill.path if isinstance(spill, TemporaryFolder) else spill
+        self.spill: Path | None = None if where is None else Path(where)
         self.block_cells = block_cells
         self.late_rounds = late_rounds
         self.null_keys, self.seed, self.name_uncalibrated = null_keys, seed, name_uncalibrated
@@ -458,6 +462,7 @@ class CalibratedNull:
             c.name_uncalibrated,
             c.token_centring,
             c.late_rounds,
+            TemporaryFolder() if c.spill else None,
         )
 
     def decorrelates(
@@ -597,7 +602,8 @@ class CalibratedNull:
         if self.spill is not None and isinstance(law, RowSubsets):
             if not isinstance(held, DiskRows):
                 self.spill.mkdir(parents=True, exist_ok=True)
-                disk = DiskRows(self.spill / f"W-{target}-{part}.f32", total, law.cols)
+                name = f"W-{target}-{part}.f32"
+                disk = DiskRows(self.spill / name, total, law.cols, self._folder)
                 if held is not None:  # restored from a checkpoint in memory: moved to disk
                     disk.add(0, held.reshape(total, law.cols))
                 acc[part] = held = disk

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
+import tempfile
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,12 +28,22 @@ import torch
 from ..watermarks.tail import block_rows
 
 
+class TemporaryFolder:
+    """A temporary folder for spilled sums, removed once nothing refers to it (each
+    :class:`DiskRows` in it keeps it alive, so saved changes outlive the statistic)."""
+
+    def __init__(self, prefix: str = "fedattr-sums-") -> None:
+        self.path = Path(tempfile.mkdtemp(prefix=prefix))
+        weakref.finalize(self, shutil.rmtree, str(self.path), True)
+
+
 class DiskRows:
     """A ``[rows, cols]`` float32 matrix in a raw file (row-major), summed into and read by row
-    blocks. A new file reads as zeros (it is created sparse)."""
+    blocks. A new file reads as zeros (it is created sparse). ``keep``: an object the file
+    needs alive (its :class:`TemporaryFolder`)."""
 
-    def __init__(self, path: str | Path, rows: int, cols: int) -> None:
-        self.path, self.rows, self.cols = Path(path), int(rows), int(cols)
+    def __init__(self, path: str | Path, rows: int, cols: int, keep: object = None) -> None:
+        self.path, self.rows, self.cols, self.keep = Path(path), int(rows), int(cols), keep
         size = 4 * self.rows * self.cols
         with open(self.path, "ab") as f:
             if f.tell() != size:
