@@ -213,6 +213,12 @@ def test_spilled_sums_by_row_blocks_give_the_verdicts_of_the_sums_held_whole(tmp
         CalibratedNull(null_keys=50, spill=spill, block_cells=7 * V), scorer, rows, V, by_rows=True
     )
     assert isinstance(streamed.W[0]["probes"], DiskRows) and any(spill.iterdir())
+    for c in range(6):  # each owner's value is read off the stored (float32) sums themselves
+        stored = scorer.owner_values("probes", streamed.W[c]["probes"].tensor())
+        for owner, value in streamed.values[c].items():
+            assert value == pytest.approx(stored[owner], rel=1e-12, abs=1e-12)
+        # ... while each round's display is that round's own statistic
+        assert streamed.per_round[c]["o0"][1] == pytest.approx(held.per_round[c]["o0"][1])
     a, b = held.report({c: c < 2 for c in range(6)}), streamed.report({c: c < 2 for c in range(6)})
     assert [c.flagged for c in a.clients] == [c.flagged for c in b.clients]
     assert [c.id for c in b.clients if c.flagged] == [0, 1]

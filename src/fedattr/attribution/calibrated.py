@@ -549,16 +549,23 @@ class CalibratedNull:
         assert isinstance(scorer, RowOwnerValues)
         laws = scorer.key_laws()
         self._check_laws(round_id, laws)
-        values: list[dict[str, float]] = [{} for _ in targets]
+        values: list[dict[str, float]] = [{} for _ in targets]  # this round's (display)
+        increments: list[dict[str, float]] = [{} for _ in targets]  # what <W, G> moved by
         owners: dict[str, str] = {}
 
         def sink(part: str, lo: int, blocks: list[torch.Tensor]) -> None:
             total = _row_shape(laws[part], changes[0][part])[0]
             for i, (target, rows) in enumerate(zip(targets, blocks, strict=True)):
-                self._accumulate(target, part, lo, rows, laws[part], total)
+                stored = self._accumulate(target, part, lo, rows, laws[part], total)
                 for owner, v in scorer.owner_values_rows(part, rows, lo).items():
                     values[i][owner] = values[i].get(owner, 0.0) + v
                     owners[owner] = part
+                if stored is not None:
+                    # The owners' sums follow the stored (float32) W itself: the value and the
+                    # tail then read the same W, whatever its precision.
+                    moved = torch.from_numpy(stored).to(rows.device)
+                    for owner, v in scorer.owner_values_rows(part, moved, lo).items():
+                        increments[i][owner] = increments[i].get(owner, 0.0) + v
 
         decorrelated = standardise_blocks(
             participants,
@@ -576,8 +583,8 @@ class CalibratedNull:
         self.decorrelated[round_id] = decorrelated
         valid = self._exchangeable(round_id, scorer)
         n = scorer.exchangeable_rounds
-        for target, v in zip(targets, values, strict=True):
-            self._add_values(round_id, target, v, owners, valid, decorrelated)
+        for target, v, moved in zip(targets, values, increments, strict=True):
+            self._add_values(round_id, target, v, owners, valid, decorrelated, moved or None)
             if n is not None and self.late_rounds == "skip":
                 self.rounds_read.update(dict.fromkeys(owners, n))
         return dict(zip(targets, values, strict=True))
@@ -593,9 +600,10 @@ class CalibratedNull:
 
     def _accumulate(
         self, target: int, part: str, lo: int, rows: torch.Tensor, law: KeyLaw, total: int
-    ) -> None:
+    ) -> np.ndarray | None:
         """``W[target][part][lo : lo + len(rows)] += rows`` (``total``: the change's rows): on
-        disk where spilled (row-centred laws), else in memory in float64."""
+        disk where spilled (row-centred laws; returns what the stored rows moved by), else in
+        memory in float64 (returns ``None``)."""
         acc = self.W.setdefault(target, {})
         self.device = rows.device
         held = acc.get(part)
@@ -607,13 +615,13 @@ class CalibratedNull:
                 if held is not None:  # restored from a checkpoint in memory: moved to disk
                     disk.add(0, held.reshape(total, law.cols))
                 acc[part] = held = disk
-            held.add(lo, rows.reshape(-1, law.cols))
-            return
+            return held.add(lo, rows.reshape(-1, law.cols))
         # On the CPU, in float64: a checkpoint loads on any machine, and the sum over rounds
         # matches the owners' values (summed in float64) to the last digits.
         c = rows.detach().to("cpu", torch.float64)
         assert held is None or isinstance(held, torch.Tensor)
         acc[part] = held + c if held is not None else c.clone()
+        return None
 
     def add(
         self,
@@ -643,12 +651,16 @@ class CalibratedNull:
         owner_parts: Mapping[str, str],
         valid: bool,
         decorrelated: bool,
+        increments: Mapping[str, float] | None = None,
     ) -> None:
+        """Record the round's values (``per_round``) and add them to the owners' sums, or add
+        ``increments`` there instead (what ``<W, G>`` of the stored sums moved by)."""
         if not decorrelated:
             self.cross_talk.add(target)
         sums = self.values.setdefault(target, {})
         for owner, value in values.items():
-            sums[owner] = sums.get(owner, 0.0) + float(value)
+            step = value if increments is None else increments[owner]
+            sums[owner] = sums.get(owner, 0.0) + float(step)
             self.parts[owner] = owner_parts[owner]
             self.valid[owner] = self.valid.get(owner, True) and valid
             self.per_round.setdefault(target, {}).setdefault(owner, {})[round_id] = float(value)

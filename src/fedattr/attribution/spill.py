@@ -74,13 +74,16 @@ class DiskRows:
         """Rows ``lo:hi`` as float64."""
         return self._read(lo, hi).astype(np.float64)
 
-    def add(self, lo: int, rows: torch.Tensor | np.ndarray) -> None:
+    def add(self, lo: int, rows: torch.Tensor | np.ndarray) -> np.ndarray:
         """``W[lo : lo + len(rows)] += rows``: summed in float64, stored in float32 (one
-        rounding per round, as the saved changes already were)."""
+        rounding per round, as the saved changes already were). Returns what the stored rows
+        changed by (float64, exact: the difference of two float32 values), so a statistic
+        linear in ``W`` can follow the stored ``W`` itself rather than the rows added."""
         x = rows.detach().cpu().double().numpy() if isinstance(rows, torch.Tensor) else rows
         x = np.asarray(x, dtype=np.float64).reshape(-1, self.cols)
         hi = lo + len(x)
-        total = np.ascontiguousarray((self._read(lo, hi) + x).astype(np.float32))
+        old = self._read(lo, hi)
+        total = np.ascontiguousarray((old + x).astype(np.float32))
         view = memoryview(total).cast("B")
         fd = os.open(self.path, os.O_WRONLY)
         try:
@@ -89,6 +92,7 @@ class DiskRows:
                 done += os.pwritev(fd, [view[done:]], offset + done)
         finally:
             os.close(fd)
+        return total.astype(np.float64) - old
 
     def tensor(self) -> torch.Tensor:
         """The whole matrix as a float32 tensor (memory: all of it)."""
