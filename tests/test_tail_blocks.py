@@ -344,3 +344,12 @@ def test_a_short_run_with_spilled_sums_gives_the_verdicts_of_one_held_in_memory(
     assert a.keys() == b.keys() and a
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_cross_talk_undone_a_block_at_a_time_has_the_bits_of_term_by_term():
+    from fedattr.attribution.calibrated import _combine
+
+    gen = torch.Generator().manual_seed(13)
+    Y = torch.randn(7, 1000, generator=gen) * torch.logspace(-3, 3, 1000)
+    inv = np.linalg.inv(np.eye(7) + 0.3 * np.random.default_rng(13).random((7, 7)))
+    assert torch.equal(_combine(inv, Y, at_once=True), _combine(inv, Y, at_once=False))

@@ -211,6 +211,26 @@ def _combination(weights: np.ndarray, tensors: Sequence[torch.Tensor]) -> torch.
     return total
 
 
+def _combine(inv: np.ndarray, Y: torch.Tensor, at_once: bool = False) -> torch.Tensor:
+    """``inv @ Y`` (float32), row ``i`` being :func:`_combination` ``(inv[i], Y)``: the same bits.
+    ``at_once`` converts ``Y`` to float64 once and sums in place (twice as fast; memory: ``Y``
+    in float64), for a block of rows; else each term is converted as it is added (a change held
+    whole, where a float64 copy of every client's change would double the round's memory)."""
+    if not at_once:
+        return torch.stack([_combination(inv[i], list(Y)).float() for i in range(len(Y))])
+    Yd = Y.double()
+    out = torch.empty_like(Y)
+    total, term = torch.empty_like(Yd[0]), torch.empty_like(Yd[0])
+    for i in range(len(Y)):
+        total.zero_()
+        for k in range(len(Y)):
+            # w * t rounded, then added: _combination's two roundings, in its order.
+            torch.mul(Yd[k], float(inv[i][k]), out=term)
+            total.add_(term)
+        out[i] = total
+    return out
+
+
 def _median(X: torch.Tensor) -> torch.Tensor:
     """Cell-wise median over dim 0 (the mean of the two middle values for an even count)."""
     s = X.sort(dim=0).values
@@ -300,7 +320,7 @@ def standardise_blocks(
                 center_part = None if center_part is None else center_part * w
             if inv is not None:
                 # Row by row in float64 (see _combination): the same bits wherever it runs.
-                X = torch.stack([_combination(inv[i], list(Y)).float() for i in range(len(Y))])
+                X = _combine(inv, Y, at_once=cells is not None)
                 C = _median(X)
             else:
                 X = Y
