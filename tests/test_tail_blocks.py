@@ -251,6 +251,12 @@ def test_changes_saved_by_row_blocks_read_as_safetensors_wrote_them(tmp_path):
     assert new.keys() == old.keys()
     for k in new:
         assert new[k].dtype == torch.float32 and torch.equal(new[k], old[k])
+    from fedattr.attribution.spill import SavedRows, open_changes
+
+    lazy = open_changes(tmp_path / "new.safetensors", lazy_bytes=0)
+    assert all(isinstance(v, SavedRows) for v in lazy.values())
+    assert np.array_equal(lazy["1/probes"].block(2, 7), old["1/probes"][2:7].double().numpy())
+    assert torch.equal(open_changes(tmp_path / "new.safetensors")["0/probes"], old["0/probes"])
 
 
 def test_a_run_folder_saved_before_the_streamed_writer_reads_again(tmp_path):
@@ -344,6 +350,18 @@ def test_a_short_run_with_spilled_sums_gives_the_verdicts_of_one_held_in_memory(
     assert a.keys() == b.keys() and a
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6)
+    # Read again from the saved changes, a large file a block of rows at a time: the verdicts.
+    from fedattr.attribution import spill as spill_module
+    from fedattr.experiments.calibration import reread_run
+
+    whole = spill_module.open_changes
+    lazy = []
+    monkeypatch.setattr(spill_module, "open_changes", lambda path: lazy.append(1) or whole(path, 0))
+    again = reread_run(tmp_path / "True")
+    assert lazy and again["flagged"] == spilled["flagged"]
+    for x, y in zip(spilled["clients"], again["clients"], strict=True):
+        assert y["log10_p"] == pytest.approx(x["log10_p"], abs=1e-5)
+        assert y["tail"] == x["tail"]
 
 
 def test_cross_talk_undone_a_block_at_a_time_has_the_bits_of_term_by_term():

@@ -55,7 +55,7 @@ import torch
 from scipy.stats import norm
 
 from ..errors import UserError
-from ..watermarks.tail import KeyLaw, RowSubsets, Tail, law_from_dict
+from ..watermarks.tail import KeyLaw, Rows, RowSubsets, Tail, law_from_dict
 from .config import AttributionConfig
 from .design import QueryDesign, own_update_design
 from .spill import DiskRows, TemporaryFolder
@@ -456,7 +456,7 @@ class CalibratedNull:
         self.late_rounds = late_rounds
         self.null_keys, self.seed, self.name_uncalibrated = null_keys, seed, name_uncalibrated
         # client -> part -> sum over rounds (in memory, or on disk where spilled)
-        self.W: dict[int, dict[str, torch.Tensor | DiskRows]] = {}
+        self.W: dict[int, dict[str, torch.Tensor | Rows]] = {}
         self.values: dict[int, dict[str, float]] = {}  # client -> owner -> <W, G>
         # client -> owner -> round -> that round's standardised statistic (display)
         self.per_round: dict[int, dict[str, dict[int, float]]] = {}
@@ -745,7 +745,7 @@ class CalibratedNull:
             # on a CPU (it reads every change once per key), a second there.
             Ws = [
                 self.W[c][part]
-                if self.device.type == "cpu" or isinstance(self.W[c][part], DiskRows)
+                if self.device.type == "cpu" or isinstance(self.W[c][part], Rows)
                 else self.W[c][part].to(self.device, torch.float32)
                 for c in have
             ]
@@ -829,7 +829,7 @@ class CalibratedNull:
     def from_results(
         cls,
         results: Mapping[str, Any],
-        changes: Mapping[str, torch.Tensor],
+        changes: Mapping[str, torch.Tensor | Rows],
         seed: int = 0,
         name_uncalibrated: bool = False,
     ) -> CalibratedNull:
@@ -838,8 +838,11 @@ class CalibratedNull:
         no model). Each owner's value is its ``Z`` times the change's null standard deviation;
         the saved changes are float32, so p agrees with the run's own to about six digits where
         the tail method is the same. They are kept in float32 (read as float64 a block at a
-        time: the same values as converting them whole, in half the memory). ``seed``: the
-        rank check's (``attribution.seed``)."""
+        time: the same values as converting them whole, in half the memory), or read from the
+        file by row blocks (:class:`~fedattr.watermarks.tail.Rows`, e.g.
+        :func:`~fedattr.attribution.spill.open_changes` of a large file: the rank check then
+        draws its keys by rows, other keys than the run's). ``seed``: the rank check's
+        (``attribution.seed``)."""
         laws = results.get("key_laws") or {}
         if results.get("statistic") != "calibrated" or not laws:
             raise UserError(
@@ -867,6 +870,8 @@ class CalibratedNull:
                 W = changes.get(f"{cid}/{part}")
                 if W is None:
                     continue
+                if isinstance(W, Rows) and not isinstance(law, RowSubsets):
+                    W = torch.from_numpy(W.block(0, W.rows))  # only row-centred laws by rows
                 null.W.setdefault(int(cid), {})[part] = W
                 sd = math.sqrt(law.variance(W))
                 null.values.setdefault(int(cid), {})[owner] = float(row["Z"]) * sd

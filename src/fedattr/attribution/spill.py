@@ -126,3 +126,51 @@ def save_changes(path: str | Path, changes: Mapping[str, torch.Tensor | DiskRows
                     f.write(x._read(lo, min(x.rows, lo + step)).tobytes())
             else:
                 f.write(x.detach().float().contiguous().cpu().numpy().tobytes())
+
+
+LAZY_BYTES = 1 << 30
+"""A saved ``changes.safetensors`` larger than this is read a block of rows at a time."""
+
+
+class SavedRows:
+    """One ``[rows, cols]`` tensor of a ``changes.safetensors``, read by row blocks
+    (:class:`fedattr.watermarks.tail.Rows`) without loading the file."""
+
+    def __init__(self, path: str | Path, name: str) -> None:
+        from safetensors import safe_open
+
+        self._file = safe_open(str(path), framework="pt")
+        self._slice = self._file.get_slice(name)
+        shape = list(self._slice.get_shape())
+        if len(shape) != 2:
+            raise ValueError(f"{name}: expected a [rows, cols] change, got shape {shape}")
+        self.rows, self.cols = shape
+        self.shape = tuple(shape)
+
+    def block(self, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo:hi`` as float64."""
+        return self._slice[lo:hi].double().numpy()
+
+
+def open_changes(
+    path: str | Path, lazy_bytes: int = LAZY_BYTES
+) -> dict[str, torch.Tensor | SavedRows]:
+    """A run's ``changes.safetensors``: loaded whole (float32 tensors, as saved), or where the
+    file is larger than ``lazy_bytes`` its two-dimensional changes as :class:`SavedRows`, read
+    a block of rows at a time (a run over a large vocabulary and many contexts)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if Path(path).stat().st_size <= lazy_bytes:
+        return load_file(str(path))
+    out: dict[str, torch.Tensor | SavedRows] = {}
+    with safe_open(str(path), framework="pt") as f:
+        names = list(f.keys())
+        shapes = {n: f.get_slice(n).get_shape() for n in names}
+    for name in names:
+        if len(shapes[name]) == 2:
+            out[name] = SavedRows(path, name)
+        else:
+            with safe_open(str(path), framework="pt") as f:
+                out[name] = f.get_tensor(name)
+    return out
