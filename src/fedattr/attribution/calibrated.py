@@ -254,8 +254,9 @@ Change = torch.Tensor | ChangeRows
 
 STANDARDISE_CELLS = 1 << 20
 """Cells per row block where a round is standardised by blocks (:func:`standardise_blocks`):
-its K changes, their combination and the sort for the median take about 40 bytes a cell per
-client (measured: 1.3 GB for ten clients' blocks of 4M cells), 400 MB at ten clients."""
+its K changes, their float64 combination and the sort for the median take 40-50 bytes a cell
+per client (measured: 1.3 GB for ten clients' blocks of 4M cells), so about 0.5 GB a block
+for ten clients."""
 
 
 def _row_shape(law: KeyLaw, change: Change) -> tuple[int, int]:
@@ -679,7 +680,8 @@ class CalibratedNull:
             self.cross_talk.add(target)
         sums = self.values.setdefault(target, {})
         for owner, value in values.items():
-            step = value if increments is None else increments[owner]
+            # An owner of a part held in memory has no increment: its value is the round's.
+            step = value if increments is None else increments.get(owner, value)
             sums[owner] = sums.get(owner, 0.0) + float(step)
             self.parts[owner] = owner_parts[owner]
             self.valid[owner] = self.valid.get(owner, True) and valid
