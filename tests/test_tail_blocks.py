@@ -371,3 +371,24 @@ def test_cross_talk_undone_a_block_at_a_time_has_the_bits_of_term_by_term():
     Y = torch.randn(7, 1000, generator=gen) * torch.logspace(-3, 3, 1000)
     inv = np.linalg.inv(np.eye(7) + 0.3 * np.random.default_rng(13).random((7, 7)))
     assert torch.equal(_combine(inv, Y, at_once=True), _combine(inv, Y, at_once=False))
+
+
+def test_bench_verdicts_streams_to_the_verdicts_held_whole(capsys):
+    """``fedattr bench verdicts --mode stream``: each stage's time and peak memory, the same
+    clients named and p-values as held whole; a bad block size is one line naming the flag."""
+    from fedattr.cli import main
+
+    argv = ["bench", "verdicts", "--contexts", "40", "--vocab", "256", "--null-keys", "20"]
+    figs = {}
+    for mode in ("memory", "stream"):
+        assert main([*argv, "--mode", mode, "--block-cells", "1024", "--json"]) == 0
+        figs[mode] = json.loads(capsys.readouterr().out)
+    held, streamed = figs["memory"], figs["stream"]
+    assert streamed["block_cells"] == 1024 and held["block_cells"] is None
+    assert set(streamed["stages"]) == {"rounds", "tails", "rank_check"}
+    assert all(s["peak_gb"] > 0 and s["seconds"] >= 0 for s in streamed["stages"].values())
+    assert held["named"] == streamed["named"] == [0, 1, 2]  # the three watermarked clients
+    for k, v in held["log10_p"].items():
+        assert streamed["log10_p"][k] == pytest.approx(v, abs=1e-5)
+    assert main([*argv, "--block-cells", "0"]) == 2
+    assert "--block-cells: must be >= 1, got 0" in capsys.readouterr().err
