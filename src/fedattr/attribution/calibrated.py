@@ -46,8 +46,10 @@ runs named a clean client at family-wise 1%).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -58,6 +60,7 @@ from ..errors import UserError
 from ..watermarks.tail import (
     SHIFT_MAX_CELLS,
     KeyLaw,
+    Rows,
     RowSubsets,
     Tail,
     law_from_dict,
@@ -65,6 +68,7 @@ from ..watermarks.tail import (
 )
 from .config import AttributionConfig
 from .design import QueryDesign, own_update_design
+from .spill import DiskRows, TemporaryFolder
 from .stouffer import AttributionReport, ClientAttribution
 
 SHIFTED_FLOOR = 0.01
@@ -233,11 +237,162 @@ def _combination(weights: np.ndarray, tensors: Sequence[torch.Tensor]) -> torch.
     return total
 
 
+def _combine(inv: np.ndarray, Y: torch.Tensor, at_once: bool = False) -> torch.Tensor:
+    """``inv @ Y`` (float32), row ``i`` being :func:`_combination` ``(inv[i], Y)``: the same bits.
+    ``at_once`` converts ``Y`` to float64 once and sums in place (twice as fast; memory: ``Y``
+    in float64), for a block of rows; else each term is converted as it is added (a change held
+    whole, where a float64 copy of every client's change would double the round's memory)."""
+    if not at_once:
+        return torch.stack([_combination(inv[i], list(Y)).float() for i in range(len(Y))])
+    Yd = Y.double()
+    out = torch.empty_like(Y)
+    total, term = torch.empty_like(Yd[0]), torch.empty_like(Yd[0])
+    for i in range(len(Y)):
+        total.zero_()
+        for k in range(len(Y)):
+            # w * t rounded, then added: _combination's two roundings, in its order.
+            torch.mul(Yd[k], float(inv[i][k]), out=term)
+            total.add_(term)
+        out[i] = total
+    return out
+
+
 def _median(X: torch.Tensor) -> torch.Tensor:
     """Cell-wise median over dim 0 (the mean of the two middle values for an even count)."""
     s = X.sort(dim=0).values
     k = s.shape[0]
     return s[k // 2] if k % 2 else 0.5 * (s[k // 2 - 1] + s[k // 2])
+
+
+@dataclass(frozen=True)
+class ChangeRows:
+    """A change read a block of rows at a time, where it is too large to hold whole (a
+    vocabulary-sized change over thousands of contexts): ``read(lo, hi)`` gives rows ``lo:hi``
+    as ``[hi - lo, cols]``, the same values at every call."""
+
+    rows: int
+    cols: int
+    read: Callable[[int, int], torch.Tensor]
+
+
+Change = torch.Tensor | ChangeRows
+"""One part of a change: held whole, or read by row blocks."""
+
+STANDARDISE_CELLS = 1 << 20
+"""Cells per row block where a round is standardised by blocks (:func:`standardise_blocks`):
+its K changes, their float64 combination and the sort for the median take 40-50 bytes a cell
+per client (measured: 1.3 GB for ten clients' blocks of 4M cells), so about 0.5 GB a block
+for ten clients."""
+
+
+def _row_shape(law: KeyLaw, change: Change) -> tuple[int, int]:
+    """``(rows, cols)`` the law reads a change as (its rows are centred independently)."""
+    if isinstance(change, ChangeRows):
+        return change.rows, change.cols
+    if isinstance(law, RowSubsets):
+        return change.numel() // law.cols, law.cols
+    return 1, change.numel()  # one row: the change is centred (and read) whole
+
+
+def _rows_of(change: Change, cols: int, lo: int, hi: int) -> torch.Tensor:
+    if isinstance(change, ChangeRows):
+        return change.read(lo, hi)
+    return change.reshape(-1, cols)[lo:hi]
+
+
+def standardise_blocks(
+    participants: Sequence[int],
+    targets: Sequence[int],
+    designs: Sequence[QueryDesign],
+    changes: Sequence[Mapping[str, Change]],
+    center: Mapping[str, Change] | None,
+    laws: Mapping[str, KeyLaw],
+    sink: Callable[[str, int, list[torch.Tensor]], None],
+    decorrelate: bool = True,
+    token_centring: bool = False,
+    weights: Mapping[str, Change] | None = None,
+    cells: int | None = STANDARDISE_CELLS,
+) -> bool:
+    """:func:`standardise_round` a block of rows at a time, each block handed to ``sink(part,
+    first row, [each target's standardised rows])`` (float32, ``[rows, cols]``); returns
+    whether cross-talk was undone. ``cells``: cells per block (``None``: one block).
+
+    Every step is cell-wise (weights, ``A^{-1}``, the median over clients) or row-wise (the
+    centring), except two sums over the whole change: the null variance (a sum of squares) and
+    token centring's column means. Where the change is more than one block those are taken in
+    a first pass and the blocks are computed again in the second, so at most one block of every
+    change is held at once. In one block the result is :func:`standardise_round`'s bit for bit;
+    in several the variance and column means are summed block by block in float64 (the same up
+    to float rounding)."""
+    A = cross_talk(participants, targets, designs, decorrelate)
+    inv = np.linalg.inv(A) if A is not None else None
+
+    def one_part(part: str, law: KeyLaw) -> None:
+        rows, cols = _row_shape(law, changes[0][part])
+        step = rows if cells is None else max(1, min(rows, cells // max(1, cols)))
+        starts = list(range(0, rows, step))
+        # Per-token drift is only a thing for a key over a vocabulary (KGW's green lists).
+        tokens = token_centring and isinstance(law, RowSubsets) and law.m > 1
+
+        def differences(lo: int) -> list[torch.Tensor]:
+            """Rows ``lo:lo + step`` of each target's change less the round's centre."""
+            hi = min(rows, lo + step)
+            Y = torch.stack([_rows_of(c[part], cols, lo, hi).reshape(-1).float() for c in changes])
+            center_part = None
+            if center is not None:
+                center_part = _rows_of(center[part], cols, lo, hi).reshape(-1).to(Y)
+            if weights is not None and part in weights:
+                w = _rows_of(weights[part], cols, lo, hi).reshape(-1).to(Y)
+                Y = Y * w
+                center_part = None if center_part is None else center_part * w
+            if inv is not None:
+                # Row by row in float64 (see _combination): the same bits wherever it runs.
+                X = _combine(inv, Y, at_once=cells is not None)
+                C = _median(X)
+            else:
+                X = Y
+                C = center_part if center_part is not None else Y.mean(dim=0)
+            return [(X[i] - C).reshape(hi - lo, cols) for i in range(len(targets))]
+
+        drift: list[torch.Tensor] | None = None
+        if tokens and len(starts) > 1:  # pass 0: each target's mean change per token
+            sums = torch.zeros(len(targets), cols, dtype=torch.float64)
+            for lo in starts:
+                for i, d in enumerate(differences(lo)):
+                    sums[i] += d.sum(dim=0, dtype=torch.float64)
+            drift = [(sums[i] / rows).float() for i in range(len(targets))]
+
+        def centred(lo: int) -> list[torch.Tensor]:
+            out = []
+            for i, d in enumerate(differences(lo)):
+                if tokens:
+                    d = d - (d.mean(dim=0) if drift is None else drift[i])
+                out.append(law.centre(d))
+            return out
+
+        # Pass 1: the null variance of each target's change (a sum over its cells).
+        var = [0.0] * len(targets)
+        kept: list[torch.Tensor] | None = None
+        for lo in starts:
+            cs = centred(lo)
+            var = [v + law.variance(c) for v, c in zip(var, cs, strict=True)]
+            if len(starts) == 1:
+                kept = cs  # one block: kept, not computed again
+        # Pass 2: each block divided by its change's null standard deviation.
+        for lo in starts:
+            cs = kept if kept is not None else centred(lo)
+            sink(
+                part,
+                lo,
+                [
+                    (c / math.sqrt(v) if v > 0 else torch.zeros_like(c)).float()
+                    for c, v in zip(cs, var, strict=True)
+                ],
+            )
+
+    for part, law in laws.items():
+        one_part(part, law)
+    return A is not None
 
 
 def standardise_round(
@@ -261,35 +416,40 @@ def standardise_round(
     ``token_centring``: also remove what a change does to a token in every context alike (its
     mean over the rows, per column: a client's drift towards or away from a token, which no
     per-context green list is aligned with), before the rows are centred; only for laws whose
-    rows each mark several columns (KGW)."""
-    A = cross_talk(participants, targets, designs, decorrelate)
+    rows each mark several columns (KGW).
+
+    Held whole, in one block; :func:`standardise_blocks` does the same a block of rows at a
+    time."""
     out: list[Parts] = [{} for _ in targets]
-    for part, law in laws.items():
-        Y = torch.stack([c[part].reshape(-1).float() for c in changes])
-        center_part = center[part].reshape(-1).to(Y) if center is not None else None
-        if weights is not None and part in weights:
-            w = weights[part].reshape(-1).to(Y)
-            Y = Y * w
-            center_part = None if center_part is None else center_part * w
-        if A is not None:
-            # Row by row in float64 (see _combination): the same bits wherever it runs.
-            inv = np.linalg.inv(A)
-            X = torch.stack([_combination(inv[i], list(Y)).float() for i in range(len(Y))])
-            C = _median(X)
-        else:
-            X = Y
-            C = center_part if center_part is not None else Y.mean(dim=0)
-        shape = changes[0][part].shape
-        # Per-token drift is only a thing for a key over a vocabulary (KGW's green lists).
-        tokens = token_centring and isinstance(law, RowSubsets) and law.m > 1
-        for i in range(len(targets)):
-            d = (X[i] - C).reshape(shape)
-            if tokens:
-                d = d - d.reshape(-1, d.shape[-1]).mean(dim=0)
-            c = law.centre(d)
-            var = law.variance(c)
-            out[i][part] = (c / math.sqrt(var) if var > 0 else torch.zeros_like(c)).float()
-    return out, A is not None
+
+    def keep(part: str, lo: int, blocks: list[torch.Tensor]) -> None:
+        for i, b in enumerate(blocks):
+            out[i][part] = b
+
+    undone = standardise_blocks(
+        participants,
+        targets,
+        designs,
+        changes,
+        center,
+        laws,
+        keep,
+        decorrelate,
+        token_centring,
+        weights,
+        cells=None,
+    )
+    return out, undone
+
+
+@runtime_checkable
+class RowOwnerValues(Protocol):
+    """A detector that reads its owners' values off a block of rows (a change read by blocks,
+    :class:`ChangeRows`; the spilled sums)."""
+
+    def owner_values_rows(self, part: str, rows: torch.Tensor, lo: int) -> dict[str, float]:
+        """``<W[lo : lo + len(rows)], G_owner[same rows]>`` for every owner reading ``part``."""
+        ...
 
 
 class CalibratedNull:
@@ -306,14 +466,28 @@ class CalibratedNull:
         token_centring: bool = False,
         late_rounds: str = "skip",
         few_cells: str = "shifted-keys",
+        spill: str | Path | TemporaryFolder | None = None,
+        block_cells: int = STANDARDISE_CELLS,
     ) -> None:
+        """``spill``: a folder where each client's sums ``W_i`` over a row-centred key law
+        (KGW's) are kept as float32 files (:class:`~fedattr.attribution.spill.DiskRows`) and
+        read by row blocks, rounds standardised ``block_cells`` at a time where the detector
+        reads its owners' values by rows (:class:`RowOwnerValues`): memory no longer grows with
+        clients x contexts x vocabulary (a :class:`~fedattr.attribution.spill.TemporaryFolder`
+        is removed after the last of its files). ``None``: every sum in memory, in float64."""
         self.alpha, self.decorrelate, self.token_centring = alpha, decorrelate, token_centring
         self.few_cells = few_cells
         # owner -> its key as a matrix, where the detector lends it (see _shifted)
         self.keys: dict[str, torch.Tensor] = {}
+        # A temporary folder is kept alive by the files in it (removed after the last).
+        self._folder = spill if isinstance(spill, TemporaryFolder) else None
+        where = spill.path if isinstance(spill, TemporaryFolder) else spill
+        self.spill: Path | None = None if where is None else Path(where)
+        self.block_cells = block_cells
         self.late_rounds = late_rounds
         self.null_keys, self.seed, self.name_uncalibrated = null_keys, seed, name_uncalibrated
-        self.W: dict[int, dict[str, torch.Tensor]] = {}  # client -> part -> sum over rounds
+        # client -> part -> sum over rounds (in memory, or on disk where spilled)
+        self.W: dict[int, dict[str, torch.Tensor | Rows]] = {}
         self.values: dict[int, dict[str, float]] = {}  # client -> owner -> <W, G>
         # client -> owner -> round -> that round's standardised statistic (display)
         self.per_round: dict[int, dict[str, dict[int, float]]] = {}
@@ -340,6 +514,7 @@ class CalibratedNull:
             c.token_centring,
             c.late_rounds,
             c.few_cells,
+            TemporaryFolder() if c.spill else None,
         )
 
     def decorrelates(
@@ -381,6 +556,10 @@ class CalibratedNull:
         if isinstance(scorer, OwnerKeys) and self.few_cells == "shifted-keys":
             for part in laws:
                 self.keys.update({o: G.cpu() for o, G in scorer.owner_keys(part).items()})
+        if self.spill is not None and isinstance(scorer, RowOwnerValues):
+            return self._add_round_by_rows(
+                round_id, participants, targets, designs, changes, center, scorer, weights
+            )
         standard, decorrelated = standardise_round(
             participants,
             targets,
@@ -408,6 +587,97 @@ class CalibratedNull:
                 self.rounds_read.update(dict.fromkeys(owners, n))
         return display
 
+    def _add_round_by_rows(
+        self,
+        round_id: int,
+        participants: Sequence[int],
+        targets: Sequence[int],
+        designs: Sequence[QueryDesign],
+        changes: Sequence[Mapping[str, Change]],
+        center: Mapping[str, Change] | None,
+        scorer: LinearKeyScorer,
+        weights: Mapping[str, Change] | None,
+    ) -> dict[int, dict[str, float]]:
+        """:meth:`add_round` a block of rows at a time (spilled sums): each target's standardised
+        rows are added to its file and read by the detector's owners as they come, so no
+        change is held whole."""
+        assert isinstance(scorer, RowOwnerValues)
+        laws = scorer.key_laws()
+        self._check_laws(round_id, laws)
+        values: list[dict[str, float]] = [{} for _ in targets]  # this round's (display)
+        increments: list[dict[str, float]] = [{} for _ in targets]  # what <W, G> moved by
+        owners: dict[str, str] = {}
+
+        def sink(part: str, lo: int, blocks: list[torch.Tensor]) -> None:
+            total = _row_shape(laws[part], changes[0][part])[0]
+            for i, (target, rows) in enumerate(zip(targets, blocks, strict=True)):
+                stored = self._accumulate(target, part, lo, rows, laws[part], total)
+                for owner, v in scorer.owner_values_rows(part, rows, lo).items():
+                    values[i][owner] = values[i].get(owner, 0.0) + v
+                    owners[owner] = part
+                if stored is not None:
+                    # The owners' sums follow the stored (float32) W itself: the value and the
+                    # tail then read the same W, whatever its precision.
+                    moved = torch.from_numpy(stored).to(rows.device)
+                    for owner, v in scorer.owner_values_rows(part, moved, lo).items():
+                        increments[i][owner] = increments[i].get(owner, 0.0) + v
+
+        decorrelated = standardise_blocks(
+            participants,
+            targets,
+            designs,
+            changes,
+            center,
+            laws,
+            sink,
+            self.decorrelate,
+            self.token_centring,
+            weights,
+            self.block_cells,
+        )
+        self.decorrelated[round_id] = decorrelated
+        valid = self._exchangeable(round_id, scorer)
+        n = scorer.exchangeable_rounds
+        for target, v, moved in zip(targets, values, increments, strict=True):
+            self._add_values(round_id, target, v, owners, valid, decorrelated, moved or None)
+            if n is not None and self.late_rounds == "skip":
+                self.rounds_read.update(dict.fromkeys(owners, n))
+        return dict(zip(targets, values, strict=True))
+
+    def _check_laws(self, round_id: int, laws: Mapping[str, KeyLaw]) -> None:
+        for part, law in laws.items():
+            desc = law.describe()
+            if self.laws.setdefault(part, desc) != desc:
+                raise UserError(
+                    f"round {round_id}: part {part!r} is read under another key law ({desc}) "
+                    f"than the earlier rounds ({self.laws[part]})"
+                )
+
+    def _accumulate(
+        self, target: int, part: str, lo: int, rows: torch.Tensor, law: KeyLaw, total: int
+    ) -> np.ndarray | None:
+        """``W[target][part][lo : lo + len(rows)] += rows`` (``total``: the change's rows): on
+        disk where spilled (row-centred laws; returns what the stored rows moved by), else in
+        memory in float64 (returns ``None``)."""
+        acc = self.W.setdefault(target, {})
+        self.device = rows.device
+        held = acc.get(part)
+        if self.spill is not None and isinstance(law, RowSubsets):
+            if not isinstance(held, DiskRows):
+                self.spill.mkdir(parents=True, exist_ok=True)
+                name = f"W-{target}-{part}.f32"
+                disk = DiskRows(self.spill / name, total, law.cols, self._folder)
+                if held is not None:  # restored from a checkpoint in memory: moved to disk
+                    disk.add(0, held.reshape(total, law.cols))
+                acc[part] = held = disk
+            return held.add(lo, rows.reshape(-1, law.cols))
+        # On the CPU, in float64: a checkpoint loads on any machine, and the sum over rounds
+        # matches the owners' values (summed in float64) to the last digits.
+        c = rows.detach().to("cpu", torch.float64)
+        assert held is None or isinstance(held, torch.Tensor)
+        acc[part] = held + c if held is not None else c.clone()
+        return None
+
     def add(
         self,
         round_id: int,
@@ -421,25 +691,32 @@ class CalibratedNull:
     ) -> None:
         """Add one (target, round)'s standardised changes and its owners' values (each owner's
         value has unit null variance: it is also the round's displayed statistic)."""
-        for part, law in laws.items():
-            desc = law.describe()
-            if self.laws.setdefault(part, desc) != desc:
-                raise UserError(
-                    f"round {round_id}: part {part!r} is read under another key law ({desc}) "
-                    f"than the earlier rounds ({self.laws[part]})"
-                )
+        self._check_laws(round_id, laws)
+        for part, c in parts.items():
+            law = laws.get(part)
+            total = _row_shape(law, c)[0] if law is not None else 1
+            self._accumulate(target, part, 0, c, law, total)  # type: ignore[arg-type]
+        self._add_values(round_id, target, values, owner_parts, valid, decorrelated)
+
+    def _add_values(
+        self,
+        round_id: int,
+        target: int,
+        values: Mapping[str, float],
+        owner_parts: Mapping[str, str],
+        valid: bool,
+        decorrelated: bool,
+        increments: Mapping[str, float] | None = None,
+    ) -> None:
+        """Record the round's values (``per_round``) and add them to the owners' sums, or add
+        ``increments`` there instead (what ``<W, G>`` of the stored sums moved by)."""
         if not decorrelated:
             self.cross_talk.add(target)
-        acc = self.W.setdefault(target, {})
-        for part, c in parts.items():
-            self.device = c.device
-            # On the CPU, in float64: a checkpoint loads on any machine, and the sum over rounds
-            # matches the owners' values (summed in float64) to the last digits.
-            c = c.detach().to("cpu", torch.float64)
-            acc[part] = acc[part] + c if part in acc else c.clone()
         sums = self.values.setdefault(target, {})
         for owner, value in values.items():
-            sums[owner] = sums.get(owner, 0.0) + float(value)
+            # An owner of a part held in memory has no increment: its value is the round's.
+            step = value if increments is None else increments.get(owner, value)
+            sums[owner] = sums.get(owner, 0.0) + float(step)
             self.parts[owner] = owner_parts[owner]
             self.valid[owner] = self.valid.get(owner, True) and valid
             self.per_round.setdefault(target, {}).setdefault(owner, {})[round_id] = float(value)
@@ -504,7 +781,7 @@ class CalibratedNull:
             # on a CPU (it reads every change once per key), a second there.
             Ws = [
                 self.W[c][part]
-                if self.device.type == "cpu"
+                if self.device.type == "cpu" or isinstance(self.W[c][part], Rows)
                 else self.W[c][part].to(self.device, torch.float32)
                 for c in have
             ]
@@ -551,15 +828,16 @@ class CalibratedNull:
         for (client, owner), tail in tails.items():
             G = self.keys.get(owner)
             W = self.W[client][self.parts[owner]]
+            cells = W.rows * W.cols if isinstance(W, Rows) else W.numel()
             if (
                 G is None
                 or tail.method not in BOUNDS
                 or tail.log10_p <= math.log10(floor)
-                or W.numel() > SHIFT_MAX_CELLS
+                or cells > SHIFT_MAX_CELLS
             ):
                 continue
             p, _ = shifted_keys_p(
-                W.cpu().numpy(),
+                W.block(0, W.rows) if isinstance(W, Rows) else W.cpu().numpy(),
                 G.numpy(),
                 [self.seed, client, owners.index(owner), 0x5E1F],
                 max_keys=math.ceil(1.0 / floor),
@@ -621,7 +899,7 @@ class CalibratedNull:
     def from_results(
         cls,
         results: Mapping[str, Any],
-        changes: Mapping[str, torch.Tensor],
+        changes: Mapping[str, torch.Tensor | Rows],
         seed: int = 0,
         name_uncalibrated: bool = False,
     ) -> CalibratedNull:
@@ -629,7 +907,12 @@ class CalibratedNull:
         :meth:`report` then reads its verdicts again with this fedattr's tails (no training,
         no model). Each owner's value is its ``Z`` times the change's null standard deviation;
         the saved changes are float32, so p agrees with the run's own to about six digits where
-        the tail method is the same. ``seed``: the rank check's (``attribution.seed``)."""
+        the tail method is the same. They are kept in float32 (read as float64 a block at a
+        time: the same values as converting them whole, in half the memory), or read from the
+        file by row blocks (:class:`~fedattr.watermarks.tail.Rows`, e.g.
+        :func:`~fedattr.attribution.spill.open_changes` of a large file: the rank check then
+        draws its keys by rows, other keys than the run's). ``seed``: the rank check's
+        (``attribution.seed``)."""
         laws = results.get("key_laws") or {}
         if results.get("statistic") != "calibrated" or not laws:
             raise UserError(
@@ -657,7 +940,8 @@ class CalibratedNull:
                 W = changes.get(f"{cid}/{part}")
                 if W is None:
                     continue
-                W = W.to(torch.float64)
+                if isinstance(W, Rows) and not isinstance(law, RowSubsets):
+                    W = torch.from_numpy(W.block(0, W.rows))  # only row-centred laws by rows
                 null.W.setdefault(int(cid), {})[part] = W
                 sd = math.sqrt(law.variance(W))
                 null.values.setdefault(int(cid), {})[owner] = float(row["Z"]) * sd
@@ -673,7 +957,11 @@ class CalibratedNull:
         """For checkpoints."""
         return {
             "format": 2,
-            "W": self.W,
+            # Spilled sums are read back whole (a checkpoint holds them in memory).
+            "W": {
+                c: {p: W.tensor() if isinstance(W, DiskRows) else W for p, W in parts.items()}
+                for c, parts in self.W.items()
+            },
             "values": self.values,
             "per_round": self.per_round,
             "decorrelated": self.decorrelated,

@@ -71,6 +71,10 @@ def _cmd_bench_verdicts(args: argparse.Namespace) -> int:
         args.rounds,
         args.null_keys,
         args.device,
+        mode=args.mode,
+        signal=args.signal,
+        spill=args.spill,
+        block_cells=args.block_cells,
     )
     print(json.dumps(fig, indent=2) if args.json else format_verdicts(fig))
     return 0
@@ -141,8 +145,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     bsc.set_defaults(func=_cmd_bench_scoring)
     bv = bench_sub.add_parser(
         "verdicts",
-        help="the calibrated statistic's end of a run on changes of a real run's size: sums "
-        "over rounds, the rank check, the exact tails",
+        help="the calibrated statistic's verdict on synthetic changes of a run's size (no model): "
+        "time and peak memory of the rounds (standardised, summed), the exact tails, the rank "
+        "check",
     )
     bv.add_argument("--clients", type=int, default=10, help="clients K (default 10)")
     bv.add_argument("--owners", type=int, default=3, help="owners' keys (default 3)")
@@ -160,6 +165,26 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     bv.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="where the changes live"
+    )
+    bv.add_argument(
+        "--mode",
+        default="memory",
+        choices=["memory", "stream"],
+        help="memory: every change and sum held whole (a run's default); stream: sums spilled "
+        "to float32 files, rounds and tails read by row blocks",
+    )
+    bv.add_argument(
+        "--signal",
+        type=float,
+        default=8.0,
+        help="the watermarked clients' key-aligned signal, in sd of one round's statistic",
+    )
+    bv.add_argument("--spill", help="stream mode: folder for the sums (default: a temporary one)")
+    bv.add_argument(
+        "--block-cells",
+        dest="block_cells",
+        type=int,
+        help="stream mode: cells per row block of a round (default 1,048,576)",
     )
     bv.add_argument("--json", action="store_true", help="print the timings as JSON")
     bv.set_defaults(func=_cmd_bench_verdicts)

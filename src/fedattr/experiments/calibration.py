@@ -168,9 +168,9 @@ def reread_run(folder: str | Path) -> dict:
     import json
 
     import torch
-    from safetensors.torch import load_file
 
     from ..attribution.calibrated import CalibratedNull
+    from ..attribution.spill import open_changes
 
     run = RunFolder(folder)
     results = run.results()
@@ -178,7 +178,7 @@ def reread_run(folder: str | Path) -> dict:
     attribution = json.loads((Path(folder) / "config.json").read_text()).get("attribution", {})
     null = CalibratedNull.from_results(
         results,
-        load_file(str(file)),
+        open_changes(file),  # a large file by row blocks (its rank check: other keys)
         seed=int(attribution.get("seed", 0)),
         name_uncalibrated=bool(attribution.get("name_uncalibrated", False)),
     )

@@ -128,10 +128,10 @@ class RunResult:
             folder = RunFolder(folder)
             folder.claim(to_dict(self.config))
         if self.changes:  # before results.json, which marks the run finished
-            from safetensors.torch import save_file
+            from ..attribution.spill import save_changes
 
-            tensors = {k: v.float().contiguous().cpu() for k, v in self.changes.items()}
-            save_file(tensors, str(folder.file("changes.safetensors")))
+            # A block of rows at a time where a change is spilled to disk.
+            save_changes(folder.file("changes.safetensors"), self.changes)
         folder.write_results(
             rounds=self.rounds,
             queries=self.queries,

@@ -268,6 +268,14 @@ class KGWReadingScorer:
         W = W.reshape(len(self.contexts), self.vocab)
         return {name: float(W[g].double().sum()) for name, g in green.items()}
 
+    def owner_values_rows(self, part: str, rows: torch.Tensor, lo: int) -> dict[str, float]:
+        """:meth:`owner_values` of rows ``lo : lo + len(rows)`` of ``W`` (a change read by row
+        blocks, ``attribution.spill``): summed over the blocks, the same values."""
+        green = self._green_on(rows.device)
+        rows = rows.reshape(-1, self.vocab)
+        hi = lo + len(rows)
+        return {name: float(rows[g[lo:hi]].double().sum()) for name, g in green.items()}
+
     def key_statistics(
         self, reference: torch.Tensor, candidate: torch.Tensor, n: int, seed: int
     ) -> dict[str, tuple[float, np.ndarray]]:

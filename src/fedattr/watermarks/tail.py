@@ -34,7 +34,7 @@ Every tail is returned as ``log10 p`` (finite far below 1e-300) with the method 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -55,6 +55,92 @@ the owner's own value on an atom that independent cells smear: on one dominant c
 So the verdict reads it only where no cell carries more than a fifth of the change's mass."""
 EXACT_COMBINATIONS = 1 << 22
 """One-column rows are enumerated exactly up to this many combinations."""
+
+BLOCK_CELLS = 1 << 22
+"""Cells of one row block where a change is read by blocks (a stored ``W``): 32 MB as float64,
+so the tails of a 1e9-cell change hold a few such blocks (and their temporaries) at a time."""
+
+
+@runtime_checkable
+class Rows(Protocol):
+    """A ``[rows, cols]`` change read by row blocks (a stored ``W``, e.g. on disk): the tails,
+    the variance and the rank check read it a block at a time, never whole."""
+
+    rows: int
+    cols: int
+
+    def block(self, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo:hi`` as float64 (a new array the caller may keep)."""
+        ...
+
+
+class DenseRows:
+    """:class:`Rows` over a tensor or array held in memory (float64 blocks of it)."""
+
+    def __init__(self, W: torch.Tensor | np.ndarray, cols: int) -> None:
+        self.W = W.reshape(-1, cols)
+        self.rows, self.cols = int(self.W.shape[0]), cols
+
+    def block(self, lo: int, hi: int) -> np.ndarray:
+        b = self.W[lo:hi]
+        if isinstance(b, torch.Tensor):
+            return b.detach().double().cpu().numpy()
+        return np.asarray(b, dtype=np.float64)
+
+
+def block_rows(cols: int, cells: int = BLOCK_CELLS) -> int:
+    """Rows per block of at most ``cells`` cells (at least one row)."""
+    return max(1, cells // max(1, cols))
+
+
+def row_blocks(
+    src: Rows, cells: int = BLOCK_CELLS, rows: np.ndarray | None = None
+) -> Iterator[np.ndarray]:
+    """``src`` a block of rows at a time, in order (``rows``: only these, sorted)."""
+    step = block_rows(src.cols, cells)
+    for lo in range(0, src.rows, step):
+        hi = min(src.rows, lo + step)
+        b = src.block(lo, hi)
+        if rows is not None:
+            b = b[rows[(rows >= lo) & (rows < hi)] - lo]
+            if not len(b):
+                continue
+        yield b
+
+
+def _blocks_of(W: np.ndarray | Rows, cells: int) -> tuple[Rows, bool]:
+    """``W`` as :class:`Rows`, and whether it is one block (then read once and kept)."""
+    src = W if isinstance(W, Rows) else DenseRows(W, W.shape[-1])
+    return src, src.rows <= block_rows(src.cols, cells)
+
+
+class _RowBlocksCGF:
+    """A row-separable CGF (:class:`RowSubsetsBound`) summed over row blocks, each block read
+    and its CGF built again at every evaluation, so only one block is ever held. Where the
+    change is one block it is built once (the in-memory CGF itself)."""
+
+    def __init__(
+        self,
+        src: Rows,
+        make: Callable[[np.ndarray], _CGF],
+        cells: int = BLOCK_CELLS,
+        rows: np.ndarray | None = None,
+    ) -> None:
+        self.src, self.make, self.cells, self.rows = src, make, cells, rows
+        self.mean = 0.0
+        self._one: _CGF | None = None
+        if src.rows <= block_rows(src.cols, cells):
+            (w,) = list(row_blocks(src, cells, rows)) or [np.zeros((0, src.cols))]
+            self._one = make(w)
+
+    def __call__(self, s: float) -> tuple[float, float, float]:
+        if self._one is not None:
+            return self._one(s)
+        k = k1 = k2 = 0.0
+        for w in row_blocks(self.src, self.cells, self.rows):
+            a, b, c = self.make(w)(s)
+            k, k1, k2 = k + a, k1 + b, k2 + c
+        return k, k1, k2
 
 
 @dataclass(frozen=True)
@@ -102,25 +188,37 @@ class BernoulliCells:
     S_CAP = 50.0
     """The series serves ``|s| <= S_CAP``: cells with ``|w| <= 0.1 / S_CAP`` go into it."""
 
-    def __init__(self, w: np.ndarray, gamma: float) -> None:
-        self.w = w[w != 0.0]
+    def __init__(self, w: np.ndarray | Callable[[], Iterable[np.ndarray]], gamma: float) -> None:
+        """``w``: the cells, or a callable that yields them a block at a time, again at each
+        call (a change too large to hold: the power sums and large cells are taken block by
+        block, and only an evaluation beyond :attr:`S_CAP` reads every cell again)."""
+        self._blocks = None if isinstance(w, np.ndarray) else w
         self.log_odds = math.log(gamma) - math.log1p(-gamma)
         self.log_q = math.log1p(-gamma)
-        self.mean = gamma * float(self.w.sum())
         self.tau = 0.1 / self.S_CAP
-        small = np.abs(self.w) <= self.tau
-        self.large = self.w[~small]
-        self.n_small = int(small.sum())
-        # Power sums sum w^n (n = 1..order) of the small cells, in chunks (memory).
         order, self.power = self.SERIES_ORDER, np.zeros(self.SERIES_ORDER)
-        tiny = self.w[small]
-        for lo in range(0, tiny.size, 1 << 22):
-            x = tiny[lo : lo + (1 << 22)]
-            acc = x.copy()
-            for n in range(order):
-                if n:
-                    acc *= x
-                self.power[n] += float(acc.sum())
+        total, large, self.n_small, self.size = 0.0, [], 0, 0
+        for block in [w] if isinstance(w, np.ndarray) else w():
+            b = block.reshape(-1)
+            b = b[b != 0.0]
+            total += float(b.sum())
+            self.size += b.size
+            small = np.abs(b) <= self.tau
+            large.append(b[~small])
+            self.n_small += int(small.sum())
+            # Power sums sum w^n (n = 1..order) of the small cells, in chunks (memory).
+            tiny = b[small]
+            for lo in range(0, tiny.size, 1 << 22):
+                x = tiny[lo : lo + (1 << 22)]
+                acc = x.copy()
+                for n in range(order):
+                    if n:
+                        acc *= x
+                    self.power[n] += float(acc.sum())
+            if self._blocks is None:
+                self.w = b
+        self.mean = gamma * total
+        self.large = large[0] if len(large) == 1 else np.concatenate(large)
         kappa = _bernoulli_cumulants(gamma, order + 1)
         fact = np.array([math.factorial(n) for n in range(order + 2)], dtype=np.float64)
         # K_small(s) = sum_n kappa_n P_n s^n / n!, and its first two derivatives.
@@ -137,7 +235,14 @@ class BernoulliCells:
 
     def __call__(self, s: float) -> tuple[float, float, float]:
         if abs(s) > self.S_CAP:
-            return self._cells(self.w, s)
+            if self._blocks is None:
+                return self._cells(self.w, s)
+            k = k1 = k2 = 0.0
+            for block in self._blocks():
+                b = block.reshape(-1)
+                a, c1, c2 = self._cells(b[b != 0.0], s)
+                k, k1, k2 = k + a, k1 + c1, k2 + c2
+            return k, k1, k2
         k, k1, k2 = self._cells(self.large, s)
         n = np.arange(1, self.SERIES_ORDER + 1)
         k += float(np.sum(self._c0 * s**n))
@@ -270,34 +375,73 @@ class RowPatternsBound:
     S_GRID = np.geomspace(1e-2, 1e3, 61)
     """Values of ``s`` (in units of ``1 / sd(T)``) over which Chernoff's bound on ``B`` is read."""
 
-    def __init__(self, W: np.ndarray, m: int, k: int = 16) -> None:
-        self.W, self.m = W, m
-        self.k = max(1, min(k, m, W.shape[1] - m))
-        self.chernoff = RowSubsetsBound(W, m, self.k)
-        cols = W.shape[1]
-        self.sd = math.sqrt(m * (cols - m) / (cols * (cols - 1)) * float((W * W).sum()))
+    def __init__(self, W: np.ndarray | Rows, m: int, k: int = 16, cells: int = BLOCK_CELLS) -> None:
+        """``W``: the change, or :class:`Rows` read ``cells`` at a time where it is larger
+        (then Chernoff's CGF reads every block again at each evaluation, and only the chosen
+        rows are held; the bounds are those of the change held whole, up to float rounding)."""
+        src, one = _blocks_of(W, cells)
+        self.src, self.m, self.cells = src, m, cells
+        cols = src.cols
+        self.k = k = max(1, min(k, m, cols - m))
+        if one:
+            self.W: np.ndarray | None = src.block(0, src.rows)
+            self.chernoff: _CGF = RowSubsetsBound(self.W, m, k)
+            total = float((self.W * self.W).sum())
+        else:
+            self.W = None
+            self.chernoff = _RowBlocksCGF(src, lambda b: RowSubsetsBound(b, m, k), cells)
+            total = sum(float((b * b).sum()) for b in row_blocks(src, cells))
+        self.sd = math.sqrt(m * (cols - m) / (cols * (cols - 1)) * total)
         self._built = False
 
     def _build(self) -> None:
         """The chosen rows' patterns and their convolution (once, on the first tail read)."""
         W, m, k = self.W, self.m, self.k
-        # Chernoff's bound already split each row into its k largest cells and the rest.
-        large, small = self.chernoff.large, self.chernoff.small
-        energy = (large * large).sum(axis=1)
+        if W is not None:
+            # Chernoff's bound already split each row into its k largest cells and the rest.
+            chernoff = self.chernoff
+            assert isinstance(chernoff, RowSubsetsBound)
+            large, small = chernoff.large, chernoff.small
+            energy = (large * large).sum(axis=1)
+        else:  # the energy of each row's k largest cells, a block at a time
+            energy = np.concatenate(
+                [
+                    (
+                        np.take_along_axis(b, np.argpartition(-np.abs(b), k - 1, axis=1)[:, :k], 1)
+                        ** 2
+                    ).sum(axis=1)
+                    for b in row_blocks(self.src, self.cells)
+                ]
+            )
         chosen = np.argsort(-energy, kind="stable")[: self.MAX_ROWS]
         chosen = chosen[energy[chosen] > 0]
-        others = np.setdiff1d(np.arange(len(W)), chosen)
+        others = np.setdiff1d(np.arange(self.src.rows), chosen)
         # The other rows carry little of the change: their largest few cells read exactly suffice.
-        self.others = RowSubsetsBound(W[others], m, min(k, 2)) if len(others) else None
-        mu = small[chosen].mean(axis=1)
-        self.rest = small[chosen] - mu[:, None]
+        self.others: _CGF | None = None
+        if W is not None:
+            if len(others):
+                self.others = RowSubsetsBound(W[others], m, min(k, 2))
+            large, small, log_pattern = large[chosen], small[chosen], chernoff.log_pattern
+        else:
+            if len(others):
+                self.others = _RowBlocksCGF(
+                    self.src, lambda b: RowSubsetsBound(b, m, min(k, 2)), self.cells, others
+                )
+            order = np.argsort(chosen)  # read in row order, put back in the order chosen
+            rows = np.zeros((len(chosen), self.src.cols))
+            if len(chosen):
+                rows[order] = np.concatenate(list(row_blocks(self.src, self.cells, chosen[order])))
+            sub = RowSubsetsBound(rows, m, k)
+            large, small, log_pattern = sub.large, sub.small, sub.log_pattern
+        mu = small.mean(axis=1)
+        self.rest = small - mu[:, None]
         # Every pattern of the chosen rows' k largest cells: its sum plus the rest's mean.
         sums, count = np.zeros((len(chosen), 1)), np.zeros(1, dtype=np.int64)
         for i in range(k):
-            sums = np.concatenate([sums, sums + large[chosen, i : i + 1]], axis=1)
+            sums = np.concatenate([sums, sums + large[:, i : i + 1]], axis=1)
             count = np.concatenate([count, count + 1])
         A = sums + (m - count)[None, :] * mu[:, None]
-        prob = np.exp(self.chernoff.log_pattern[count])
+        prob = np.exp(log_pattern[count])
         self.P, self.lo, self.h = self._convolve(A, prob) if len(chosen) else (None, 0.0, 0.0)
         self._K: np.ndarray | None = None
         self._built = True
@@ -564,14 +708,40 @@ class RowSubsets:
         change = change.double().reshape(-1, self.cols)
         return change - change.mean(dim=1, keepdim=True)
 
-    def variance(self, W: torch.Tensor) -> float:
+    def variance(self, W: torch.Tensor | Rows) -> float:
+        if isinstance(W, Rows):
+            return self.v * sum(float((b * b).sum()) for b in row_blocks(W))
         return self.v * float((W.double() ** 2).sum())
 
-    def tail(self, W: torch.Tensor, value: float) -> Tail:
+    def tail(self, W: torch.Tensor | Rows, value: float) -> Tail:
         return self.tails(W, [value])[0]
 
-    def tails(self, W: torch.Tensor, values: Sequence[float]) -> list[Tail]:
-        w = W.double().reshape(-1, self.cols).cpu().numpy()
+    def tails(
+        self, W: torch.Tensor | Rows, values: Sequence[float], cells: int = BLOCK_CELLS
+    ) -> list[Tail]:
+        """Also of a change read by row blocks (:class:`Rows`, ``cells`` at a time): every
+        quantity the tails need is a sum over cells or rows, so it is accumulated block by
+        block. A change held in memory (a tensor), or of one block, is read whole, as before."""
+        src = W if isinstance(W, Rows) else DenseRows(W, self.cols)
+        one = src.rows <= block_rows(self.cols, cells)
+        if self.m == 1 or one or not isinstance(W, Rows):
+            # One pick per row (FK: questions x candidates, small) or one block: held whole.
+            return self._tails_dense(src.block(0, src.rows), values)
+        # One pass: is there any change, over how many effective cells.
+        s2 = s4 = 0.0
+        for b in row_blocks(src, cells):
+            sq = (b * b).reshape(-1)
+            s2, s4 = s2 + float(sq.sum()), s4 + float(np.dot(sq, sq))
+        if s2 <= 0.0:
+            return [Tail(0.0, "exact") for _ in values]  # no change: every key reads 0
+        if s2 * s2 / s4 >= MIN_EFFECTIVE_CELLS:
+            scale = math.sqrt(self.cols / (self.cols - 1))
+            cgf = BernoulliCells(lambda: (scale * b for b in row_blocks(src, cells)), self.gamma)
+            return [Tail(saddlepoint_log10_sf(cgf, v), "saddlepoint") for v in values]
+        bound = RowPatternsBound(src, self.m, cells=cells)
+        return [bound.tail(v) for v in values]
+
+    def _tails_dense(self, w: np.ndarray, values: Sequence[float]) -> list[Tail]:
         if not np.any(w):
             return [Tail(0.0, "exact") for _ in values]  # no change: every key reads 0
         if self.m == 1 and len(w) * math.log(self.cols) <= math.log(EXACT_COMBINATIONS):
@@ -591,7 +761,17 @@ class RowSubsets:
         """The share of a row the key marks."""
         return self.m / self.cols
 
-    def random_values(self, Ws: list[torch.Tensor], n: int, seed: int) -> np.ndarray:
+    def random_values(self, Ws: Sequence[torch.Tensor | Rows], n: int, seed: int) -> np.ndarray:
+        """Changes held as tensors: :class:`~fedattr.watermarks.nullkeys.RandomGreenLists`
+        over every cell at once. Any change read by row blocks (:class:`Rows`): the same law,
+        keys drawn a block of rows at a time (:func:`random_values_by_rows`), so other keys."""
+        if any(isinstance(W, Rows) for W in Ws):
+            return random_values_by_rows(
+                [W if isinstance(W, Rows) else DenseRows(W, self.cols) for W in Ws],
+                n,
+                seed,
+                self.m,
+            )
         if self.m == 1:
             ws = [W.double().reshape(-1, self.cols).cpu().numpy() for W in Ws]
             rows = np.arange(len(ws[0]))
@@ -646,6 +826,41 @@ class Directions:
 
     def describe(self) -> dict:
         return {"kind": self.kind, "dim": self.dim}
+
+
+RANK_BLOCK_BYTES = 256 << 20
+"""Transient memory of one row block of the rank check's keys (uniforms and masks)."""
+
+
+def random_values_by_rows(
+    srcs: Sequence[Rows], n: int, seed: int, m: int, block_bytes: int = RANK_BLOCK_BYTES
+) -> np.ndarray:
+    """``<W, key_k>`` (``[len(srcs), n]``) for ``n`` random keys drawn a block of rows at a time,
+    the same keys for every change: cells green independently with probability ``m / cols``
+    (as :class:`~fedattr.watermarks.nullkeys.RandomGreenLists`; ``m = 1``: one column per row).
+    Each block's keys come from a generator seeded by ``(seed, first row)``, its rows fixed by
+    ``n``, the columns and ``block_bytes``: the keys do not depend on which changes, or how many,
+    are read together. Memory: ``block_bytes`` of keys and the same rows of every change."""
+    first = srcs[0]
+    cols = first.cols
+    if any((s.rows, s.cols) != (first.rows, cols) for s in srcs):
+        raise ValueError("random_values_by_rows: the changes differ in shape")
+    # The keys of a block (uniforms, masks, floats: 9 bytes a cell each) within block_bytes; the
+    # blocks depend on n and cols only, so the keys do not depend on the changes read.
+    step = max(1, block_bytes // max(1, 9 * n * cols))
+    out = np.zeros((len(srcs), n))
+    for lo in range(0, first.rows, step):
+        hi = min(first.rows, lo + step)
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + lo) % (1 << 63))
+        block = torch.from_numpy(np.stack([s.block(lo, hi).reshape(-1) for s in srcs]))
+        if m == 1:
+            picks = torch.randint(cols, (n, hi - lo), generator=gen)
+            cells = picks + cols * torch.arange(hi - lo)
+            out += block[:, cells].sum(dim=2).numpy()
+        else:
+            keys = torch.rand((n, (hi - lo) * cols), generator=gen) < m / cols
+            out += (block.float() @ keys.float().T).double().numpy()
+    return out
 
 
 def law_from_dict(data: Mapping) -> KeyLaw:
