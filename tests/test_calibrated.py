@@ -311,6 +311,7 @@ def test_hardened_rounds_keep_cross_talk_so_their_clients_are_not_named_by_defau
                 "synthetic.r=3",
                 "synthetic.signal=6",
                 "attribution.mode=hardened",
+                "attribution.across_rounds=keep",
                 f"attribution.name_uncalibrated={str(ask).lower()}",
             ],
         )

@@ -1,5 +1,6 @@
 """Joint-release leakage: audit, fused queries, SA-side release policy, hardened mode."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -195,13 +196,17 @@ def test_paper_mode_with_fused_queries_gives_the_same_attribution(tmp_path):
 
 
 def test_hardened_mode_reaches_full_attribution_with_more_rounds():
-    # Its rounds keep cross-talk, so its p-values are uncalibrated: they name a client only
-    # when asked to (attribution.name_uncalibrated).
+    # Its rounds keep cross-talk; de-mixed across rounds (the default), every client's mean
+    # change is its own and the p-values are calibrated, so they name clients by default.
     cfg = DemoConfig(
-        synthetic=SyntheticConfig(rounds=20),
-        attribution=AttributionConfig(mode="hardened", name_uncalibrated=True),
+        synthetic=SyntheticConfig(rounds=20), attribution=AttributionConfig(mode="hardened")
     )
     rep = run_demo(cfg, **QUIET).report
+    assert rep.tpr == 1.0 and rep.fpr == 0.0
+    assert all(c.calibrated for c in rep.clients) and not rep.cross_talk
+    # Summed as kept, they are uncalibrated: they name a client only when asked to.
+    kept = AttributionConfig(mode="hardened", across_rounds="keep", name_uncalibrated=True)
+    rep = run_demo(dataclasses.replace(cfg, attribution=kept), **QUIET).report
     assert rep.tpr == 1.0 and rep.fpr == 0.0
     assert not any(c.calibrated for c in rep.clients) and rep.cross_talk
     assert audit_queries([]) == []

@@ -14,7 +14,10 @@ does not depend on any key, and an owner's statistic is that matrix read with th
 2. **Cross-talk undone.** When every participant of a round is a target, the round's changes
    are ``Y = A X`` with ``A`` the known design matrix (row i: 1 for the target, alpha for the
    others), so ``X = A^{-1} Y`` is each client's own change. Hardened mode targets few clients
-   per round, so there it is skipped.
+   per round, so no round alone undoes it; there every such round is stacked and de-mixed
+   across rounds instead (``attribution.across_rounds = "demix"``, :class:`DeMixer`): each
+   client's mean change over the rounds by generalised least squares, centred by the
+   cell-wise median over the clients, is read once as that client's ``W_i``.
 3. **Centred without a key.** From each client's change, the cell-wise median over the
    round's clients is subtracted where cross-talk was undone (a minority of watermarked clients
    barely moves it), else the change the round's SA mean makes: a centre that is a function
@@ -37,10 +40,13 @@ facts from the watermarked clients, and no decoy matches that). By default only 
 are read (``attribution.late_rounds = "skip"``), so its p-values stay exact; reading every round
 makes them uncalibrated: reported, and no client is named by them unless
 ``attribution.name_uncalibrated`` asks for it. The same holds for a client with a round whose
-cross-talk was kept (hardened mode, or a round where not every participant was a target): its
-estimate then carries alpha-weighted copies of the other clients' updates, watermarked ones
-included, which the SA mean does not remove (measured on the synthetic bed at r = 3: 6.3% of
-runs named a clean client at family-wise 1%).
+cross-talk was kept and not de-mixed (``attribution.across_rounds = "keep"``, or a client the
+stacked rounds do not identify): its estimate then carries alpha-weighted copies of the other
+clients' updates, watermarked ones included, which the SA mean does not remove (measured on the
+synthetic bed at r = 3: 6.3% of runs named a clean client at family-wise 1%). De-mixed, a
+watermarked client's key-aligned change leaks into another client's only through its variation
+across rounds (see :class:`DeMixer`): none on the synthetic bed, whose watermark signal is the
+same every round.
 """
 
 from __future__ import annotations
@@ -452,6 +458,118 @@ class RowOwnerValues(Protocol):
         ...
 
 
+class DeMixer:
+    """Rounds whose cross-talk is kept (hardened mode), stacked and de-mixed across rounds.
+
+    Round t's changes are ``Y_t = A_t X^t`` (rows: the round's targets, ``A_t`` their known
+    design rows over every client). Under a persistent-mean model ``X_j^t = m_j + e_j^t``, the
+    generalised least squares estimate of every client's mean change solves
+
+        F m = sum_t A_t^+ Y_t,    F = sum_t A_t^+ A_t,
+
+    as :mod:`fedattr.attribution.crossround` does for the updates: ``m_j`` is identifiable when
+    ``e_j`` is in the range of ``F``. Then ``m_hat = F^+ sum_t P_t X^t = m + sum_t B_t e^t``
+    with ``B_t = F^+ P_t`` and ``sum_t B_t = I``: each client's mean change exactly, plus the
+    round deviations with known coefficients whose sum over rounds vanishes off the diagonal.
+    So a watermarked client's key-aligned change leaks into another client's de-mixed change
+    only through its *variation* across rounds; where it is the same every round (the
+    synthetic bed) it cancels exactly and a clean client's de-mixed change does not depend on
+    the owner's key. The designs are drawn independently of any key, and ``F`` and the sums
+    are functions of the released answers only: the de-mixed means are what the cross-round
+    audit already shows the answers determine."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        """Every client in a stacked round's design row (the order of :attr:`f`)."""
+        self.f = np.zeros((0, 0))
+        """``F = sum_t A_t^+ A_t``."""
+        self.b: dict[str, dict[int, torch.Tensor]] = {}
+        """Part -> client -> ``[sum_t A_t^+ Y_t]_client`` (flat, float64)."""
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def _index(self, clients: Sequence[int]) -> None:
+        new = [c for c in clients if c not in self.ids]
+        if not new:
+            return
+        n = len(self.ids)
+        self.ids.extend(new)
+        f = np.zeros((len(self.ids), len(self.ids)))
+        f[:n, :n] = self.f
+        self.f = f
+
+    def add(
+        self,
+        targets: Sequence[int],
+        designs: Sequence[QueryDesign],
+        changes: Sequence[Parts],
+        laws: Mapping[str, KeyLaw],
+        weights: Parts | None = None,
+        mean: tuple[Sequence[int], Parts] | None = None,
+    ) -> None:
+        """One round: each target's raw change and design (``weights``: the round's key-free
+        cell weights, applied first as :func:`standardise_round` does). ``mean``: the round's
+        participants and the change of its SA mean, the equal-weight mean of their (submitted)
+        updates: the public row. With it in every round, a term common to all clients passes
+        into every de-mixed change alike (the median removes it); without it, it leaks with
+        client-specific coefficients and swamps the key's signal."""
+        if not targets:
+            return
+        members = {p for d in designs for p in d.coefficients()} | set(targets)
+        if mean is not None:
+            members |= set(mean[0])
+        self._index(sorted(members))
+        A = _design_matrix(designs, self.ids)
+        if mean is not None:
+            row = np.zeros((1, len(self.ids)))
+            row[0, [self.ids.index(p) for p in mean[0]]] = 1.0 / len(mean[0])
+            A = np.vstack([A, row])
+            changes = [*changes, mean[1]]
+        pinv = np.linalg.pinv(A, rcond=max(A.shape) * np.finfo(float).eps * 10)
+        self.f += pinv @ A
+        for part in laws:
+            Y = [c[part].reshape(-1).double() for c in changes]
+            if weights is not None and part in weights:
+                w = weights[part].reshape(-1).double()
+                Y = [y * w for y in Y]
+            self.shapes[part] = tuple(changes[0][part].shape)
+            acc = self.b.setdefault(part, {})
+            for k, c in enumerate(self.ids):
+                if not np.any(pinv[k]):
+                    continue
+                term = _combination(pinv[k], Y)
+                acc[c] = acc[c] + term if c in acc else term
+
+    def solve(self) -> tuple[dict[str, dict[int, torch.Tensor]], list[int]]:
+        """Part -> client -> its de-mixed mean change ``m_hat``, and the identifiable clients
+        (``||P e_j||^2 >= 1 - 1e-9``, P the projector onto ``F``'s range)."""
+        if not self.ids:
+            return {}, []
+        w, v = np.linalg.eigh(self.f)
+        keep = w > max(w.max(), 0.0) * len(w) * np.finfo(float).eps * 10
+        fplus = (v[:, keep] / w[keep]) @ v[:, keep].T
+        reach = np.sum(v[:, keep] ** 2, axis=1)
+        identifiable = [c for k, c in enumerate(self.ids) if reach[k] >= 1.0 - 1e-9]
+        own: dict[str, dict[int, torch.Tensor]] = {}
+        for part, acc in self.b.items():
+            zero = torch.zeros_like(next(iter(acc.values())))
+            terms = [acc.get(c, zero) for c in self.ids]
+            own[part] = {c: _combination(fplus[self.ids.index(c)], terms) for c in identifiable}
+        return own, identifiable
+
+    def state(self) -> dict:
+        """For checkpoints."""
+        return {"ids": list(self.ids), "f": self.f, "b": self.b, "shapes": self.shapes}
+
+    @classmethod
+    def from_state(cls, state: Mapping | None) -> DeMixer:
+        """Restore :meth:`state` (an empty one where the checkpoint has none)."""
+        out = cls()
+        if state:
+            out.ids, out.f = list(state["ids"]), np.array(state["f"], dtype=np.float64)
+            out.b, out.shapes = dict(state["b"]), dict(state["shapes"])
+        return out
+
+
 class CalibratedNull:
     """Accumulates each client's standardised changes ``W_i`` (per part) and its owners'
     values ``<W_i, G>``; :meth:`report` turns them into exact p-values and flags."""
@@ -468,6 +586,7 @@ class CalibratedNull:
         few_cells: str = "shifted-keys",
         spill: str | Path | TemporaryFolder | None = None,
         block_cells: int = STANDARDISE_CELLS,
+        across_rounds: str = "demix",
     ) -> None:
         """``spill``: a folder where each client's sums ``W_i`` over a row-centred key law
         (KGW's) are kept as float32 files (:class:`~fedattr.attribution.spill.DiskRows`) and
@@ -477,6 +596,13 @@ class CalibratedNull:
         is removed after the last of its files). ``None``: every sum in memory, in float64."""
         self.alpha, self.decorrelate, self.token_centring = alpha, decorrelate, token_centring
         self.few_cells = few_cells
+        self.across_rounds = across_rounds
+        # Rounds whose cross-talk is kept, stacked for de-mixing across rounds (see DeMixer).
+        self.mixed = DeMixer()
+        # Each de-mixed client's W and owners' values (recomputed by settle(); not summed).
+        self.demixed_W: dict[int, dict[str, torch.Tensor]] = {}
+        self.demixed_values: dict[int, dict[str, float]] = {}
+        self._reader: LinearKeyScorer | None = None  # reads the de-mixed changes (settle)
         # owner -> its key as a matrix, where the detector lends it (see _shifted)
         self.keys: dict[str, torch.Tensor] = {}
         # A temporary folder is kept alive by the files in it (removed after the last).
@@ -515,6 +641,7 @@ class CalibratedNull:
             c.late_rounds,
             c.few_cells,
             TemporaryFolder() if c.spill else None,
+            across_rounds=c.across_rounds,
         )
 
     def decorrelates(
@@ -546,17 +673,24 @@ class CalibratedNull:
         center: Parts | None,
         scorer: LinearKeyScorer,
         weights: Parts | None = None,
+        mean_row: bool = True,
     ) -> dict[int, dict[str, float]]:
         """One round's raw changes (one per target; ``center``: the SA mean's, needed only
         where cross-talk is not undone; ``weights``: key-free cell weights, see
-        :func:`standardise_round`); returns each target's per-round statistic per owner."""
+        :func:`standardise_round`); returns each target's per-round statistic per owner.
+        ``mean_row``: whether ``center`` is the equal-weight mean of every participant's
+        submitted update (no dropouts), so that de-mixing may stack it as the round's public
+        row (:meth:`DeMixer.add`)."""
         if not targets or not self.reads(round_id, scorer):
             return {}
         laws = scorer.key_laws()
         if isinstance(scorer, OwnerKeys) and self.few_cells == "shifted-keys":
             for part in laws:
                 self.keys.update({o: G.cpu() for o, G in scorer.owner_keys(part).items()})
-        if self.spill is not None and isinstance(scorer, RowOwnerValues):
+        by_rows = self.across_rounds != "demix" or self.decorrelates(
+            participants, targets, designs
+        )  # a round de-mixed across rounds is kept whole (DeMixer holds it in memory)
+        if self.spill is not None and isinstance(scorer, RowOwnerValues) and by_rows:
             return self._add_round_by_rows(
                 round_id, participants, targets, designs, changes, center, scorer, weights
             )
@@ -575,13 +709,22 @@ class CalibratedNull:
         display: dict[int, dict[str, float]] = {}
         valid = self._exchangeable(round_id, scorer)
         n = scorer.exchangeable_rounds
+        demix = not decorrelated and self.across_rounds == "demix"
+        if demix:
+            # Kept raw (weighted) for de-mixing across rounds; the round's own (mixed) values
+            # are for display only.
+            self.read_with(scorer)
+            mean = (participants, center) if center is not None and mean_row else None
+            self.mixed.add(targets, designs, changes, laws, weights, mean)
         for target, parts in zip(targets, standard, strict=True):
             values: dict[str, float] = {}
             owners: dict[str, str] = {}
             for part, c in parts.items():
                 for owner, value in scorer.owner_values(part, c).items():
                     values[owner], owners[owner] = value, part
-            self.add(round_id, target, parts, values, laws, owners, valid, decorrelated)
+            self.add(
+                round_id, target, parts, values, laws, owners, valid, decorrelated, keep=not demix
+            )
             display[target] = values
             if n is not None and self.late_rounds == "skip":
                 self.rounds_read.update(dict.fromkeys(owners, n))
@@ -688,15 +831,19 @@ class CalibratedNull:
         owner_parts: Mapping[str, str],
         valid: bool = True,
         decorrelated: bool = True,
+        keep: bool = True,
     ) -> None:
         """Add one (target, round)'s standardised changes and its owners' values (each owner's
-        value has unit null variance: it is also the round's displayed statistic)."""
+        value has unit null variance: it is also the round's displayed statistic). ``keep =
+        False``: display only (a round de-mixed across rounds: its evidence is in
+        :attr:`mixed`, read by :meth:`settle`)."""
         self._check_laws(round_id, laws)
-        for part, c in parts.items():
-            law = laws.get(part)
-            total = _row_shape(law, c)[0] if law is not None else 1
-            self._accumulate(target, part, 0, c, law, total)  # type: ignore[arg-type]
-        self._add_values(round_id, target, values, owner_parts, valid, decorrelated)
+        if keep:
+            for part, c in parts.items():
+                law = laws.get(part)
+                total = _row_shape(law, c)[0] if law is not None else 1
+                self._accumulate(target, part, 0, c, law, total)  # type: ignore[arg-type]
+        self._add_values(round_id, target, values, owner_parts, valid, decorrelated, keep=keep)
 
     def _add_values(
         self,
@@ -707,12 +854,14 @@ class CalibratedNull:
         valid: bool,
         decorrelated: bool,
         increments: Mapping[str, float] | None = None,
+        keep: bool = True,
     ) -> None:
         """Record the round's values (``per_round``) and add them to the owners' sums, or add
-        ``increments`` there instead (what ``<W, G>`` of the stored sums moved by)."""
-        if not decorrelated:
+        ``increments`` there instead (what ``<W, G>`` of the stored sums moved by); ``keep =
+        False`` records the display only."""
+        if not decorrelated and keep:
             self.cross_talk.add(target)
-        sums = self.values.setdefault(target, {})
+        sums = self.values.setdefault(target, {}) if keep else {}
         for owner, value in values.items():
             # An owner of a part held in memory has no increment: its value is the round's.
             step = value if increments is None else increments.get(owner, value)
@@ -721,9 +870,76 @@ class CalibratedNull:
             self.valid[owner] = self.valid.get(owner, True) and valid
             self.per_round.setdefault(target, {}).setdefault(owner, {})[round_id] = float(value)
 
+    def read_with(self, scorer: LinearKeyScorer) -> None:
+        """The detector that reads the de-mixed changes with the owners' keys (:meth:`settle`;
+        set by :meth:`add_round`, and after a checkpoint is loaded by the caller)."""
+        self._reader = scorer
+
+    def settle(self) -> None:
+        """Read the rounds kept for de-mixing (:class:`DeMixer`): each identifiable client's
+        de-mixed change, centred, standardised and read with its owners' keys, into
+        :attr:`demixed_W` and :attr:`demixed_values`; a client whose mean is not identifiable
+        from the stacked rounds gets no de-mixed evidence and is marked as cross-talk
+        (uncalibrated). Idempotent: recomputed from the stacked sums each time."""
+        if self._reader is None or not self.mixed.ids:
+            return
+        own, identifiable = self.mixed.solve()
+        self.demixed_W, self.demixed_values = {}, {}
+        laws = {part: law_from_dict(d) for part, d in self.laws.items()}
+        for c in self.mixed.ids:
+            if c not in identifiable:
+                self.cross_talk.add(c)
+        if not identifiable:
+            return
+        for part, law in laws.items():
+            if part not in own:
+                continue
+            X = torch.stack([own[part][c] for c in identifiable])
+            # Key-free centre as where cross-talk is undone: a minority of watermarked clients
+            # barely moves the cell-wise median.
+            C = _median(X) if len(identifiable) > 2 else X.mean(dim=0)
+            tokens = self.token_centring and isinstance(law, RowSubsets) and law.m > 1
+            for k, c in enumerate(identifiable):
+                d = (X[k] - C).reshape(self.mixed.shapes[part])
+                if tokens:
+                    d = d - d.reshape(-1, d.shape[-1]).mean(dim=0)
+                centred = law.centre(d)
+                var = law.variance(centred)
+                W = centred / math.sqrt(var) if var > 0 else torch.zeros_like(centred)
+                self.demixed_W.setdefault(c, {})[part] = W.to(torch.float64)
+                vals = self._reader.owner_values(part, W.float())
+                self.demixed_values.setdefault(c, {}).update({o: float(v) for o, v in vals.items()})
+
+    def merged(self) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, float]]]:
+        """Every client's ``W`` and owners' values: the sums over rounds whose cross-talk was
+        undone plus the de-mixed evidence (:meth:`settle`), each term key-free."""
+        W = {c: dict(parts) for c, parts in self.W.items()}
+        values = {c: dict(v) for c, v in self.values.items()}
+        for c, parts in self.demixed_W.items():
+            acc = W.setdefault(c, {})
+            for part, w in parts.items():
+                acc[part] = acc[part] + w if part in acc else w
+        for c, vals in self.demixed_values.items():
+            acc_v = values.setdefault(c, {})
+            for o, v in vals.items():
+                acc_v[o] = acc_v.get(o, 0.0) + v
+        return W, values
+
     def report(self, truth: Mapping[int, bool] | None = None) -> AttributionReport:
         """Per client: Z, exact p and tail method of its strongest owner, Bonferroni over
-        owners, named at family-wise ``alpha`` over clients x owners."""
+        owners, named at family-wise ``alpha`` over clients x owners (rounds kept for
+        de-mixing are read first, :meth:`settle`)."""
+        self.settle()
+        if not self.demixed_W:
+            return self._report(truth)
+        kept = self.W, self.values
+        self.W, self.values = self.merged()
+        try:
+            return self._report(truth)
+        finally:
+            self.W, self.values = kept
+
+    def _report(self, truth: Mapping[int, bool] | None = None) -> AttributionReport:
         clients = sorted(set(self.W) | set(truth or {}))
         owners = sorted(self.parts)
         S, K = max(1, len(owners)), max(1, len(clients))
@@ -971,6 +1187,7 @@ class CalibratedNull:
             "cross_talk": sorted(self.cross_talk),
             "rounds_read": self.rounds_read,
             "keys": self.keys,
+            "mixed": self.mixed.state(),
         }
 
     def load(self, state: Mapping) -> None:
@@ -986,3 +1203,4 @@ class CalibratedNull:
         self.cross_talk = set(state.get("cross_talk", []))
         self.rounds_read = dict(state.get("rounds_read", {}))
         self.keys = dict(state.get("keys", {}))
+        self.mixed = DeMixer.from_state(state.get("mixed"))

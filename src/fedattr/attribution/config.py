@@ -84,6 +84,18 @@ class AttributionConfig:
     (exact whatever the detector's curvature; it reveals nothing the estimates do not already
     determine jointly); ``changes`` applies it to the read changes instead, exact only for their
     part that is linear in the estimate (see ``reading_step``)."""
+    across_rounds: Literal["demix", "keep"] = "demix"
+    """``calibrated``, for rounds whose cross-talk cannot be undone within the round (hardened
+    mode: one fused query per admitted target). ``demix``: stack every such round's changes
+    with their known design rows and solve, per client, for its mean change over rounds by
+    generalised least squares (``F m = sum_t A_t^+ Y_t``, as the cross-round audit does for
+    the updates), then read that de-mixed change with the owner's key against its exact tail:
+    the watermarked clients' persistent signal is removed from every other client's change,
+    so those clients are calibrated and named (a client whose mean the stacked rounds do not
+    identify gets no evidence and is reported uncalibrated). It reveals nothing the released
+    answers do not already determine (see ``fedattr audit --cross-round``). ``keep``: sum each
+    round's mixed change, as before; such clients are then uncalibrated and named only under
+    ``name_uncalibrated``."""
     N: int = 5
     """Size of the V-subsets (U-subsets have N+1 members)."""
     M: int = 5

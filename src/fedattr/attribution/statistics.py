@@ -213,6 +213,13 @@ class CalibratedStatistic(Statistic):
         """The owner's key against random keys (its exact tail)."""
         return "key-randomised"
 
+    def use_scorer(self, scorer: Any) -> None:
+        """Also lend the scorer to the de-mixed reading (a run resumed after its last round
+        reads its stacked rounds with it)."""
+        super().use_scorer(scorer)
+        if isinstance(scorer, LinearKeyScorer):
+            self.calibrated.read_with(scorer)
+
     def score_round(
         self,
         estimates: RoundEstimates,
@@ -277,6 +284,7 @@ class CalibratedStatistic(Statistic):
             middle,
             scorer,
             weights,
+            mean_row=not estimates.dropouts,
         )
         each = (time.perf_counter() - t0) / max(1, len(targets))
         record = RoundRecord(
@@ -325,7 +333,9 @@ class CalibratedStatistic(Statistic):
 
     def changes(self) -> tuple[dict[str, Any], dict[str, dict]]:
         kept = self.calibrated
-        flat = {f"{c}/{p}": W for c, parts in kept.W.items() for p, W in parts.items()}
+        kept.settle()  # rounds kept for de-mixing: their de-mixed change is in each W
+        merged, _ = kept.merged()
+        flat = {f"{c}/{p}": W for c, parts in merged.items() for p, W in parts.items()}
         return flat, dict(kept.laws)
 
     def state(self) -> dict:

@@ -75,9 +75,10 @@ def attribution_table(report: AttributionReport) -> str:
         if report.cross_talk:
             rule += (
                 f". Not calibrated: clients {', '.join(map(str, report.cross_talk))}, whose "
-                "rounds kept cross-talk (hardened mode): their estimates carry α-weighted copies "
-                "of other clients' updates, watermarked ones included; reported, never named "
-                "unless attribution.name_uncalibrated = true"
+                "rounds kept cross-talk (hardened mode) and were not de-mixed across rounds "
+                "(attribution.across_rounds = keep, or too few rounds to identify the client): "
+                "their estimates carry α-weighted copies of other clients' updates, watermarked "
+                "ones included; reported, never named unless attribution.name_uncalibrated = true"
             )
         if report.rounds_read:
             spans: dict[int, list[str]] = {}

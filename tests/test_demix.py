@@ -1,0 +1,195 @@
+"""De-mixing hardened rounds across rounds (``attribution.across_rounds = "demix"``)."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import binom
+
+from fedattr.attribution import LinearScorer
+from fedattr.attribution.calibrated import CalibratedNull, DeMixer
+from fedattr.attribution.config import AttributionConfig
+from fedattr.attribution.scoring import DEFAULT_STATISTIC
+from fedattr.config import load
+from fedattr.errors import UserError
+from fedattr.pipeline.config import DemoConfig
+from fedattr.pipeline.run import run_demo
+from fedattr.watermarks.tail import Directions
+
+PART = DEFAULT_STATISTIC
+
+
+class _Row:
+    """A fused query's design: weight 1 on the target, ``alpha`` on the others."""
+
+    def __init__(self, target: int, alpha: dict[int, float]) -> None:
+        self.target, self.alpha = target, alpha
+
+    def coefficients(self) -> dict[int, float]:
+        return {**self.alpha, self.target: 1.0}
+
+
+def _rows(rng, K, targets, scale=0.5):
+    """Hardened-like rows: a few targets, each with zero-sum alphas over the others."""
+    out = []
+    for t in targets:
+        others = [j for j in range(K) if j != t]
+        a = rng.normal(size=len(others)) * scale
+        a -= a.mean()
+        out.append(_Row(t, dict(zip(others, a, strict=True))))
+    return out
+
+
+def _round(rng, K, X, targets, scale=0.5):
+    """One round's designs, the targets' changes ``A X`` and the SA mean's change."""
+    rows = _rows(rng, K, targets, scale)
+    changes = [{PART: sum(c * X[j] for j, c in r.coefficients().items()).float()} for r in rows]
+    return rows, changes, {PART: X.mean(0).float()}
+
+
+def test_demixing_recovers_each_persistent_mean_and_cancels_a_persistent_signal():
+    rng = np.random.default_rng(0)
+    K, dim, T = 6, 8, 6
+    m = torch.tensor(rng.normal(size=(K, dim)))
+    signal = torch.zeros(K, dim)
+    signal[0] = 5.0  # client 0 carries the same key-aligned change every round
+    laws = {PART: Directions(dim)}
+    runs = {}
+    for name, base in (("plain", m), ("marked", m + signal)):
+        mixer, r = DeMixer(), np.random.default_rng(1)
+        for _ in range(T):
+            targets = sorted(r.choice(K, 2, replace=False).tolist())
+            rows, changes, mean = _round(r, K, base, targets)
+            mixer.add(targets, rows, changes, laws, None, (list(range(K)), mean))
+        own, ok = mixer.solve()
+        assert ok == list(range(K))  # no round identifies anyone, the stack identifies all
+        runs[name] = own[PART]
+        for j in range(K):
+            assert runs[name][j].numpy() == pytest.approx(base[j].numpy(), abs=1e-4)
+    # Every other client's de-mixed change is the same with and without client 0's signal.
+    for j in range(1, K):
+        assert runs["marked"][j].numpy() == pytest.approx(runs["plain"][j].numpy(), abs=1e-4)
+
+
+def test_a_client_no_stacked_round_identifies_is_left_out():
+    K, dim = 5, 4
+    X = torch.tensor(np.random.default_rng(2).normal(size=(K, dim)))
+    mixer = DeMixer()
+    rows, changes, _ = _round(np.random.default_rng(3), K, X, [0])
+    mixer.add([0], rows, changes, {PART: Directions(dim)})
+    assert mixer.solve()[1] == []
+
+
+def _federation(seed, K, T, dim, key, marked, signal, alpha, noise=1.0):
+    """A hardened-like federation read by a CalibratedNull per rule: each round two targets,
+    one clean target with a large alpha on the watermarked client (the planted cross-talk)."""
+    rng = np.random.default_rng(seed)
+    common = torch.tensor(rng.normal(size=dim))
+    rounds = []
+    for _t in range(T):
+        X = torch.tensor(rng.normal(size=(K, dim))) * noise + common
+        for j in marked:
+            X[j] = X[j] + signal * key
+        targets = sorted(rng.choice(K, 2, replace=False).tolist())
+        rows = _rows(rng, K, targets)
+        for r in rows:
+            if r.target not in marked and marked:
+                r.alpha[marked[0]] = alpha
+        changes = [{PART: sum(c * X[j] for j, c in r.coefficients().items()).float()} for r in rows]
+        rounds.append((targets, rows, changes, {PART: X.mean(0).float()}))
+    return rounds
+
+
+def _read(rounds, K, scorer, **kw):
+    null = CalibratedNull(alpha=0.01, null_keys=0, decorrelate=False, **kw)
+    for t, (targets, rows, changes, mean) in enumerate(rounds, 1):
+        null.add_round(t, list(range(K)), targets, rows, changes, mean, scorer)
+    return null
+
+
+def test_a_planted_cross_talk_names_a_clean_client_under_the_old_rule_only():
+    """One watermarked client (0) with a large alpha in every clean target's estimate: kept
+    and summed, its signal makes clean clients look marked (named under name_uncalibrated);
+    de-mixed, it is removed from theirs and only client 0 is named, calibrated."""
+    K, T, dim = 6, 12, 64
+    key = torch.tensor(np.random.default_rng(9).normal(size=dim))
+    key = key / key.norm()
+    scorer = LinearScorer(key)
+    rounds = _federation(5, K, T, dim, key, [0], signal=4.0, alpha=2.0, noise=0.3)
+    truth = {j: j == 0 for j in range(K)}
+    old = _read(rounds, K, scorer, across_rounds="keep", name_uncalibrated=True).report(truth)
+    assert any(c.flagged and not c.watermarked for c in old.clients)
+    new = _read(rounds, K, scorer).report(truth)
+    by = {c.id: c for c in new.clients}
+    assert by[0].flagged and all(c.calibrated for c in new.clients) and not new.cross_talk
+    assert not any(c.flagged for c in new.clients if not c.watermarked)
+    # A client only the kept rounds would identify is reported uncalibrated, never named.
+    short = _read(rounds[:1], K, scorer).report(truth)
+    assert short.cross_talk == list(range(K)) and not short.flagged
+
+
+def test_demixed_null_p_values_are_uniform_where_the_key_law_is_exact():
+    """No watermarked client: each clean client's de-mixed change is a function of updates
+    drawn independently of the key, so under a random key its p is uniform. The owner's key
+    is drawn afresh per federation (the law the exact tail describes): P(p <= u) = u."""
+    K, T, dim, n = 5, 6, 6, 120
+    p = []
+    for seed in range(n):
+        rng = np.random.default_rng([seed, 7])
+        key = torch.tensor(rng.normal(size=dim))
+        rounds = _federation(seed, K, T, dim, key / key.norm(), [], 0.0, 0.0)
+        null = _read(rounds, K, LinearScorer(key))
+        p += [c.p for c in null.report({j: False for j in range(K)}).clients]
+    p = np.array(p)
+    assert len(p) == n * K
+    for u in (0.05, 0.2, 0.5):
+        lo, hi = binom.ppf([0.0005, 0.9995], len(p), u)
+        assert lo <= np.sum(p <= u) <= hi
+
+
+def test_across_rounds_is_checked():
+    with pytest.raises(UserError, match=r"attribution\.across_rounds: unknown 'sum'"):
+        AttributionConfig(across_rounds="sum")
+
+
+def test_hardened_synthetic_run_names_by_the_demixed_statistic_by_default():
+    cfg = load(
+        DemoConfig,
+        None,
+        [
+            "synthetic.common=1.0",
+            "synthetic.heterogeneity=0.5",
+            "synthetic.dim=256",
+            "secagg.backend=plaintext",
+            "synthetic.seed=0",
+            "synthetic.r=3",
+            "synthetic.signal=6",
+            "synthetic.rounds=8",
+            "attribution.mode=hardened",
+        ],
+    )
+    rep = run_demo(cfg, progress=lambda _m: None).report
+    assert not rep.cross_talk and all(c.calibrated for c in rep.clients)
+    assert rep.flagged and all(c.watermarked for c in rep.clients if c.flagged)
+
+
+def test_a_checkpoint_keeps_the_stacked_rounds():
+    K, T, dim = 6, 8, 32
+    key = torch.tensor(np.random.default_rng(4).normal(size=dim))
+    scorer = LinearScorer(key)
+    rounds = _federation(6, K, T, dim, key / key.norm(), [0], signal=4.0, alpha=1.0, noise=0.3)
+    truth = {j: j == 0 for j in range(K)}
+    whole = _read(rounds, K, scorer).report(truth)
+    first = _read(rounds[:5], K, scorer)
+    resumed = CalibratedNull(alpha=0.01, null_keys=0, decorrelate=False)
+    resumed.load(first.state())
+    for t, (targets, rows, changes, mean) in enumerate(rounds[5:], 6):
+        resumed.add_round(t, list(range(K)), targets, rows, changes, mean, scorer)
+    again = resumed.report(truth)
+    assert [c.log10_p for c in again.clients] == pytest.approx([c.log10_p for c in whole.clients])
+    # Loaded after the last round, the stacked rounds are read once the scorer is lent again.
+    done = CalibratedNull(alpha=0.01, null_keys=0, decorrelate=False)
+    done.load(resumed.state())
+    done.read_with(scorer)
+    assert [c.log10_p for c in done.report(truth).clients] == pytest.approx(
+        [c.log10_p for c in whole.clients]
+    )
