@@ -811,6 +811,7 @@ class CalibratedNull:
                 name = f"W-{target}-{part}.f32"
                 disk = DiskRows(self.spill / name, total, law.cols, self._folder)
                 if held is not None:  # restored from a checkpoint in memory: moved to disk
+                    assert isinstance(held, torch.Tensor)
                     disk.add(0, held.reshape(total, law.cols))
                 acc[part] = held = disk
             return held.add(lo, rows.reshape(-1, law.cols))
@@ -910,7 +911,9 @@ class CalibratedNull:
                 vals = self._reader.owner_values(part, W.float())
                 self.demixed_values.setdefault(c, {}).update({o: float(v) for o, v in vals.items()})
 
-    def merged(self) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, float]]]:
+    def merged(
+        self,
+    ) -> tuple[dict[int, dict[str, torch.Tensor | Rows]], dict[int, dict[str, float]]]:
         """Every client's ``W`` and owners' values: the sums over rounds whose cross-talk was
         undone plus the de-mixed evidence (:meth:`settle`), each term key-free."""
         W = {c: dict(parts) for c, parts in self.W.items()}
@@ -918,7 +921,10 @@ class CalibratedNull:
         for c, parts in self.demixed_W.items():
             acc = W.setdefault(c, {})
             for part, w in parts.items():
-                acc[part] = acc[part] + w if part in acc else w
+                held = acc.get(part)
+                if isinstance(held, Rows):  # spilled: this client's sum is read whole here
+                    held = torch.from_numpy(held.block(0, held.rows)).reshape(w.shape)
+                acc[part] = w if held is None else held + w
         for c, vals in self.demixed_values.items():
             acc_v = values.setdefault(c, {})
             for o, v in vals.items():
@@ -993,14 +999,15 @@ class CalibratedNull:
             have = [c for c in clients if part in self.W.get(c, {})]
             if not have:
                 continue
+
             # On a GPU: 200 keys over ten vocabulary-sized changes are ~1e11 cells, minutes
             # on a CPU (it reads every change once per key), a second there.
-            Ws = [
-                self.W[c][part]
-                if self.device.type == "cpu" or isinstance(self.W[c][part], Rows)
-                else self.W[c][part].to(self.device, torch.float32)
-                for c in have
-            ]
+            def where(W: torch.Tensor | Rows) -> torch.Tensor | Rows:
+                if self.device.type == "cpu" or isinstance(W, Rows):
+                    return W
+                return W.to(self.device, torch.float32)
+
+            Ws = [where(self.W[c][part]) for c in have]
             values = law_from_dict(desc).random_values(Ws, self.null_keys, self.seed)
             out[part] = {c: values[i] for i, c in enumerate(have)}
         return out

@@ -274,7 +274,7 @@ class CrossRoundAttack:
 
             out[session] = {
                 "clients": clients,
-                "identifiable": sum(c["identifiable"] for c in clients.values()),
+                "identifiable": sum(1 for c in clients.values() if c["identifiable"]),
                 **{
                     f"median_{key}": _median(clients.values(), key)
                     for key in ("error_gls", "error_ols", "error_public_mean")

@@ -57,7 +57,7 @@ class DiskRows:
     def _read(self, lo: int, hi: int) -> np.ndarray:
         count = (hi - lo) * self.cols
         out = np.empty(count, dtype=np.float32)
-        view = memoryview(out).cast("B")
+        view = out.data.cast("B")
         fd = os.open(self.path, os.O_RDONLY)
         try:
             done, offset = 0, 4 * lo * self.cols
@@ -84,7 +84,7 @@ class DiskRows:
         hi = lo + len(x)
         old = self._read(lo, hi)
         total = np.ascontiguousarray((old + x).astype(np.float32))
-        view = memoryview(total).cast("B")
+        view = total.data.cast("B")
         fd = os.open(self.path, os.O_WRONLY)
         try:
             done, offset = 0, 4 * lo * self.cols
@@ -161,9 +161,10 @@ def open_changes(
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    if Path(path).stat().st_size <= lazy_bytes:
-        return load_file(str(path))
     out: dict[str, torch.Tensor | SavedRows] = {}
+    if Path(path).stat().st_size <= lazy_bytes:
+        out.update(load_file(str(path)))
+        return out
     with safe_open(str(path), framework="pt") as f:
         names = list(f.keys())
         shapes = {n: f.get_slice(n).get_shape() for n in names}

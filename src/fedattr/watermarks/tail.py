@@ -662,6 +662,11 @@ def effective_cells(W: np.ndarray) -> float:
     return total * total / float(np.dot(sq, sq))
 
 
+def _whole(W: torch.Tensor | Rows) -> torch.Tensor:
+    """``W`` as one float64 tensor (a law whose changes are small reads a :class:`Rows` whole)."""
+    return torch.from_numpy(W.block(0, W.rows)) if isinstance(W, Rows) else W.double()
+
+
 @runtime_checkable
 class KeyLaw(Protocol):
     """How a random key is distributed, for a statistic ``<W, key>`` linear in the key."""
@@ -670,20 +675,20 @@ class KeyLaw(Protocol):
         """The change with what no key can see removed (key-free), null mean exactly 0."""
         ...
 
-    def variance(self, W: torch.Tensor) -> float:
+    def variance(self, W: torch.Tensor | Rows) -> float:
         """The null variance of ``<W, key>`` (``W`` centred)."""
         ...
 
-    def tail(self, W: torch.Tensor, value: float) -> Tail:
+    def tail(self, W: torch.Tensor | Rows, value: float) -> Tail:
         """``P(<W, key> >= value)`` under a random key."""
         ...
 
-    def tails(self, W: torch.Tensor, values: Sequence[float]) -> list[Tail]:
+    def tails(self, W: torch.Tensor | Rows, values: Sequence[float]) -> list[Tail]:
         """:meth:`tail` at several values of one ``W`` (several owners' keys reading one
         client's change): what depends on ``W`` alone is computed once."""
         ...
 
-    def random_values(self, Ws: list[torch.Tensor], n: int, seed: int) -> np.ndarray:
+    def random_values(self, Ws: Sequence[torch.Tensor | Rows], n: int, seed: int) -> np.ndarray:
         """``<W, key_k>`` for ``n`` random keys (``[len(Ws), n]``): the rank check."""
         ...
 
@@ -802,26 +807,26 @@ class Directions:
     def centre(self, change: torch.Tensor) -> torch.Tensor:
         return change.double().reshape(1, -1)
 
-    def variance(self, W: torch.Tensor) -> float:
-        return float((W.double() ** 2).sum()) / self.dim
+    def variance(self, W: torch.Tensor | Rows) -> float:
+        return float((_whole(W) ** 2).sum()) / self.dim
 
-    def tail(self, W: torch.Tensor, value: float) -> Tail:
-        norm = float(W.double().norm())
+    def tail(self, W: torch.Tensor | Rows, value: float) -> Tail:
+        norm = float(_whole(W).norm())
         if norm == 0.0:
             return Tail(0.0 if value <= 0 else -math.inf, "exact")
         x = min(1.0, max(-1.0, value / norm))
         a = 0.5 * (self.dim - 1)
         return Tail(float(beta_dist.logsf(0.5 * (x + 1.0), a, a)) / LN10, "exact")
 
-    def tails(self, W: torch.Tensor, values: Sequence[float]) -> list[Tail]:
+    def tails(self, W: torch.Tensor | Rows, values: Sequence[float]) -> list[Tail]:
         return [self.tail(W, v) for v in values]
 
-    def random_values(self, Ws: list[torch.Tensor], n: int, seed: int) -> np.ndarray:
+    def random_values(self, Ws: Sequence[torch.Tensor | Rows], n: int, seed: int) -> np.ndarray:
         start = int(np.random.default_rng([seed, 0xD1]).integers(2**62))
         gen = torch.Generator().manual_seed(start)
         dirs = torch.randn(n, self.dim, generator=gen, dtype=torch.float64)
         dirs = dirs / dirs.norm(dim=1, keepdim=True)
-        flat = torch.stack([W.double().reshape(-1).cpu() for W in Ws])
+        flat = torch.stack([_whole(W).reshape(-1).cpu() for W in Ws])
         return (flat @ dirs.T).numpy()
 
     def describe(self) -> dict:
