@@ -64,13 +64,16 @@ def test_deployed_workflow_gives_the_simulations_verdicts(
     tiny_cache, owner_files, tmp_path, capsys, decorrelate
 ):
     """With cross-talk undone the owner does not read the SA mean (its scores hold no center
-    statistics, as the server's in-process scoring does not read it); without, it does."""
+    statistics, as the server's in-process scoring does not read it); without, it does. Owner
+    scoring sums rounds whose cross-talk was kept round by round (it does not de-mix them
+    across rounds), so the simulation is read the same way (``across_rounds = keep``)."""
     key, wm = owner_files
     common = _small(
         tiny_cache,
         f"watermark.documents={wm}",
         "watermark.r=2",
         f"attribution.decorrelate={str(decorrelate).lower()}",
+        "attribution.across_rounds=keep",
     )
     # the server: no key; it exports each round's release
     deployed = tmp_path / "deployed"

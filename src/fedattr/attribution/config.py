@@ -95,7 +95,8 @@ class AttributionConfig:
     identify gets no evidence and is reported uncalibrated). It reveals nothing the released
     answers do not already determine (see ``fedattr audit --cross-round``). ``keep``: sum each
     round's mixed change, as before; such clients are then uncalibrated and named only under
-    ``name_uncalibrated``."""
+    ``name_uncalibrated``. Owner scoring (``scoring = "owner"``, ``fedattr attribute``) always
+    keeps: its rounds are combined from the owners' per-round scores."""
     N: int = 5
     """Size of the V-subsets (U-subsets have N+1 members)."""
     M: int = 5
