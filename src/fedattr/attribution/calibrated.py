@@ -63,6 +63,7 @@ import torch
 from scipy.stats import norm
 
 from ..errors import UserError
+from ..secagg.policy import in_range, psd_pinv
 from ..watermarks.tail import (
     SHIFT_MAX_CELLS,
     KeyLaw,
@@ -544,11 +545,8 @@ class DeMixer:
         (``||P e_j||^2 >= 1 - 1e-9``, P the projector onto ``F``'s range)."""
         if not self.ids:
             return {}, []
-        w, v = np.linalg.eigh(self.f)
-        keep = w > max(w.max(), 0.0) * len(w) * np.finfo(float).eps * 10
-        fplus = (v[:, keep] / w[keep]) @ v[:, keep].T
-        reach = np.sum(v[:, keep] ** 2, axis=1)
-        identifiable = [c for k, c in enumerate(self.ids) if reach[k] >= 1.0 - 1e-9]
+        fplus = psd_pinv(self.f)
+        identifiable = [c for c, ok in zip(self.ids, in_range(self.f), strict=True) if ok]
         own: dict[str, dict[int, torch.Tensor]] = {}
         for part, acc in self.b.items():
             zero = torch.zeros_like(next(iter(acc.values())))

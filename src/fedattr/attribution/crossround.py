@@ -42,24 +42,9 @@ from typing import Any
 import numpy as np
 
 from ..fl.server import Observer, RoundContext, RoundEngine
-from ..secagg.policy import EXACT_TOL, row_space_basis
+from ..secagg.policy import EXACT_TOL, in_range, psd_pinv, row_space_basis
 from ..secagg.queries import QueryRecord
 from .audit import round_designs
-
-
-def _pinv_psd(f: np.ndarray) -> np.ndarray:
-    """Pseudo-inverse of a symmetric PSD matrix at the audits' rank tolerance."""
-    if f.size == 0:
-        return f.copy()
-    w, v = np.linalg.eigh(f)
-    keep = w > max(w.max(), 0.0) * f.shape[0] * np.finfo(float).eps * 10
-    return (v[:, keep] / w[keep]) @ v[:, keep].T
-
-
-def _in_range(f: np.ndarray) -> np.ndarray:
-    """``||P e_j||^2 >= 1 - EXACT_TOL`` per column j, P the projector onto range(f)."""
-    basis = row_space_basis(f)
-    return np.sum(basis**2, axis=0) >= 1.0 - EXACT_TOL
 
 
 @dataclass
@@ -131,8 +116,8 @@ def audit_cross_round(
                 present[c] += int(used)
                 if w >= 1.0 - EXACT_TOL:
                     exact.add(c)
-        ok = _in_range(f) if ids else np.zeros(0, dtype=bool)
-        diag = np.diag(_pinv_psd(f))
+        ok = in_range(f) if ids else np.zeros(0, dtype=bool)
+        diag = np.diag(psd_pinv(f))
         out.append(
             CrossRoundAudit(
                 session=session,
@@ -250,9 +235,9 @@ class CrossRoundAttack:
             sessions = {name: _plus(acc, public) for name, acc in sessions.items()}
         out = {}
         for session, acc in sorted(sessions.items()):
-            ok = _in_range(acc.f)
-            gls = _pinv_psd(acc.f) @ acc.gls
-            ols = _pinv_psd(acc.gram) @ acc.ols
+            ok = in_range(acc.f)
+            gls = psd_pinv(acc.f) @ acc.gls
+            ols = psd_pinv(acc.gram) @ acc.ols
             guess = np.zeros_like(acc.public_sum)
             has = acc.public_n > 0
             guess[has] = acc.public_sum[has] / acc.public_n[has, None]

@@ -38,6 +38,22 @@ def row_space_basis(rows: np.ndarray) -> np.ndarray:
     return vt[:rank]
 
 
+def psd_pinv(f: np.ndarray) -> np.ndarray:
+    """Pseudo-inverse of a symmetric PSD matrix at the audits' rank tolerance."""
+    if f.size == 0:
+        return f.copy()
+    w, v = np.linalg.eigh(f)
+    keep = w > max(w.max(), 0.0) * f.shape[0] * np.finfo(float).eps * 10
+    return (v[:, keep] / w[keep]) @ v[:, keep].T
+
+
+def in_range(f: np.ndarray) -> np.ndarray:
+    """``||P e_j||^2 >= 1 - EXACT_TOL`` per column j, P the projector onto the span of ``f``'s
+    rows (for a symmetric ``f``, its range)."""
+    basis = row_space_basis(f)
+    return np.sum(basis**2, axis=0) >= 1.0 - EXACT_TOL
+
+
 def projection_weights(rows: np.ndarray) -> np.ndarray:
     """``||P e_j||^2`` for every column j, with P the projector onto the rows' span."""
     if rows.size == 0:
