@@ -118,9 +118,10 @@ def test_rank_check_by_rows_draws_the_same_keys_for_every_change_and_follows_the
     assert picks[0].var() == pytest.approx((Ws[0] ** 2).sum() / 40, rel=0.2)
 
 
+@pytest.mark.parametrize("spread", [0.0, 0.25])
 @pytest.mark.parametrize("tokens", [False, True])
 @pytest.mark.parametrize("undone", [True, False])
-def test_a_round_standardised_by_row_blocks_is_the_round_standardised_whole(tokens, undone):
+def test_a_round_standardised_by_row_blocks_is_the_round_standardised_whole(tokens, undone, spread):
     gen = torch.Generator().manual_seed(8)
     rows, V, K = 23, 16, 5
     law = RowSubsets(4, V)
@@ -133,7 +134,16 @@ def test_a_round_standardised_by_row_blocks_is_the_round_standardised_whole(toke
     center = {"probes": torch.randn(rows, V, generator=gen)}
     weights = {"probes": torch.rand(rows, V, generator=gen) + 0.5}
     whole, a = standardise_round(
-        list(range(K)), targets, designs, changes, center, {"probes": law}, True, tokens, weights
+        list(range(K)),
+        targets,
+        designs,
+        changes,
+        center,
+        {"probes": law},
+        True,
+        tokens,
+        weights,
+        spread=spread,
     )
     got = [torch.zeros(rows, V) for _ in targets]
 
@@ -156,6 +166,7 @@ def test_a_round_standardised_by_row_blocks_is_the_round_standardised_whole(toke
         tokens,
         weights,
         cells=4 * V,
+        spread=spread,
     )
     assert a == b == undone
     for w, g in zip(whole, got, strict=True):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedattr.attribution.calibrated import standardise_round, taper_weights
+from fedattr.attribution.calibrated import spread_weights, standardise_round, taper_weights
 from fedattr.attribution.config import AttributionConfig
 from fedattr.attribution.design import DesignStats, QueryDesign
 from fedattr.config import ConfigError, load
@@ -81,4 +81,63 @@ def test_taper_settings_are_checked():
     assert (AttributionConfig().taper, AttributionConfig().taper_from) == (0.5, 0.01)
     for bad in ("attribution.taper=-1", "attribution.taper=3", "attribution.taper_from=0"):
         with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
+            load(RunConfig, None, [bad])
+
+
+def test_spread_weights_lower_the_cells_every_client_moves_widely_with_a_floor_per_row():
+    # Three clients' centred changes on two rows of four cells.
+    D = torch.tensor(
+        [
+            [[4.0, 1.0, 0.1, 0.0], [2.0, 2.0, 2.0, 2.0]],
+            [[-4.0, 1.0, -0.1, 0.0], [2.0, 2.0, 2.0, 2.0]],
+            [[8.0, -3.0, 0.2, 0.0], [2.0, 2.0, 2.0, 2.0]],
+        ],
+        dtype=torch.float64,
+    ).reshape(3, -1)
+    w = spread_weights(D, 4, 0.5).reshape(2, 4)
+    # Row 0: S = (4, 1, 0.1, 0), floor = its median 0.55; row 1: S = floor = 2.
+    want = [[4**-0.5, 1.0, 0.55**-0.5, 0.55**-0.5], [2**-0.5] * 4]
+    assert w.numpy() == pytest.approx(np.array(want))
+    assert spread_weights(torch.zeros(3, 8), 4, 0.5).abs().sum() == 0  # nothing moved: 0
+
+
+def test_spread_weights_lift_a_key_signal_that_sits_beside_wide_drift():
+    """Clients drift widely on a few cells of every row (likely tokens) and a little on the
+    rest; one client also carries a small shift on its owner's green cells. Read with spread
+    weights, the drift's few cells no longer dominate: the owner's value stands further out
+    in its exact tail (and a clean client's stays a null draw: the weights carry no key)."""
+    K, rows, V, m = 8, 60, 32, 8
+    gen = torch.Generator().manual_seed(3)
+    scale = torch.ones(rows, V)
+    scale[:, :3] = 30.0  # the likely tokens: every client moves them widely
+    X = torch.randn(K, rows, V, generator=gen) * scale
+    green = torch.zeros(rows, V).scatter_(
+        1, torch.rand(rows, V, generator=gen).argsort(1)[:, :m], 1.0
+    )
+    X[0] += 0.6 * green
+    designs = [_design(i, {}, K) for i in range(K)]
+    law = RowSubsets(m, V)
+
+    def log10_p(spread, client):
+        out, _ = standardise_round(
+            range(K),
+            range(K),
+            designs,
+            [{"probes": x} for x in X],
+            None,
+            {"probes": law},
+            spread=spread,
+        )
+        W = out[client]["probes"].double()
+        return law.tail(W, float((W * green).sum())).log10_p
+
+    assert log10_p(0.5, 0) < log10_p(0.0, 0) - 2
+    assert log10_p(0.5, 0) < -4
+    assert log10_p(0.5, 1) > -2
+
+
+def test_spread_setting_is_checked():
+    assert AttributionConfig().spread == 0.25
+    for bad in ("attribution.spread=-0.5", "attribution.spread=2"):
+        with pytest.raises(ConfigError, match=r"attribution\.spread"):
             load(RunConfig, None, [bad])

@@ -271,6 +271,22 @@ def _median(X: torch.Tensor) -> torch.Tensor:
     return s[k // 2] if k % 2 else 0.5 * (s[k // 2 - 1] + s[k // 2])
 
 
+def spread_weights(D: torch.Tensor, cols: int, exponent: float) -> torch.Tensor:
+    """Key-free weight per cell of a round's centred changes ``D`` (``[targets, cells]``, rows
+    of ``cols`` cells): ``max(S, S_row) ** -exponent``, ``S`` the cell's median over the targets
+    of ``|D|`` and ``S_row`` its row's median of ``S``; a cell no target moves (``0``) gets 0.
+
+    Where the clients' changes spread widely (a likely token, a context every client drifts
+    on) a cell carries more of their drift than of a key's signal, and a few such cells would
+    dominate the sum and thicken its tail. Row by row (the floor is the row's own), so the
+    weights of a block of rows do not depend on the other rows."""
+    S = _median(D.abs()).reshape(-1, cols)
+    floor = _median(S.T).unsqueeze(1)
+    m = torch.maximum(S, floor)
+    w = torch.where(m > 0, m.clamp_min(torch.finfo(m.dtype).tiny) ** -exponent, 0.0)
+    return w.reshape(-1)
+
+
 @dataclass(frozen=True)
 class ChangeRows:
     """A change read a block of rows at a time, where it is too large to hold whole (a
@@ -319,6 +335,7 @@ def standardise_blocks(
     token_centring: bool = False,
     weights: Mapping[str, Change] | None = None,
     cells: int | None = STANDARDISE_CELLS,
+    spread: float = 0.0,
 ) -> bool:
     """:func:`standardise_round` a block of rows at a time, each block handed to ``sink(part,
     first row, [each target's standardised rows])`` (float32, ``[rows, cols]``); returns
@@ -330,7 +347,9 @@ def standardise_blocks(
     a first pass and the blocks are computed again in the second, so at most one block of every
     change is held at once. In one block the result is :func:`standardise_round`'s bit for bit;
     in several the variance and column means are summed block by block in float64 (the same up
-    to float rounding)."""
+    to float rounding). ``spread``: the exponent of :func:`spread_weights`, applied after
+    centring, for laws whose rows each mark several columns (KGW); 0 leaves every cell's
+    weight as it is."""
     A = cross_talk(participants, targets, designs, decorrelate)
     inv = np.linalg.inv(A) if A is not None else None
 
@@ -340,6 +359,7 @@ def standardise_blocks(
         starts = list(range(0, rows, step))
         # Per-token drift is only a thing for a key over a vocabulary (KGW's green lists).
         tokens = token_centring and isinstance(law, RowSubsets) and law.m > 1
+        by_spread = spread > 0 and isinstance(law, RowSubsets) and law.m > 1
 
         def differences(lo: int) -> list[torch.Tensor]:
             """Rows ``lo:lo + step`` of each target's change less the round's centre."""
@@ -359,7 +379,10 @@ def standardise_blocks(
             else:
                 X = Y
                 C = center_part if center_part is not None else Y.mean(dim=0)
-            return [(X[i] - C).reshape(hi - lo, cols) for i in range(len(targets))]
+            D = X - C
+            if by_spread:
+                D = D * spread_weights(D, cols, spread).to(D)
+            return [D[i].reshape(hi - lo, cols) for i in range(len(targets))]
 
         drift: list[torch.Tensor] | None = None
         if tokens and len(starts) > 1:  # pass 0: each target's mean change per token
@@ -412,6 +435,7 @@ def standardise_round(
     decorrelate: bool = True,
     token_centring: bool = False,
     weights: Parts | None = None,
+    spread: float = 0.0,
 ) -> tuple[list[Parts], bool]:
     """Steps 2-4 of the module: each target's own change, centred without a key and divided by
     its null standard deviation; and whether cross-talk was undone. Key-free throughout.
@@ -424,6 +448,8 @@ def standardise_round(
     mean over the rows, per column: a client's drift towards or away from a token, which no
     per-context green list is aligned with), before the rows are centred; only for laws whose
     rows each mark several columns (KGW).
+
+    ``spread``: see :func:`spread_weights` (after centring; key-free like the rest).
 
     Held whole, in one block; :func:`standardise_blocks` does the same a block of rows at a
     time."""
@@ -445,6 +471,7 @@ def standardise_round(
         token_centring,
         weights,
         cells=None,
+        spread=spread,
     )
     return out, undone
 
@@ -585,6 +612,7 @@ class CalibratedNull:
         spill: str | Path | TemporaryFolder | None = None,
         block_cells: int = STANDARDISE_CELLS,
         across_rounds: str = "demix",
+        spread: float = 0.0,
     ) -> None:
         """``spill``: a folder where each client's sums ``W_i`` over a row-centred key law
         (KGW's) are kept as float32 files (:class:`~fedattr.attribution.spill.DiskRows`) and
@@ -595,6 +623,7 @@ class CalibratedNull:
         self.alpha, self.decorrelate, self.token_centring = alpha, decorrelate, token_centring
         self.few_cells = few_cells
         self.across_rounds = across_rounds
+        self.spread = spread  # spread_weights' exponent (rounds read within the round)
         # Rounds whose cross-talk is kept, stacked for de-mixing across rounds (see DeMixer).
         self.mixed = DeMixer()
         # Each de-mixed client's W and owners' values (recomputed by settle(); not summed).
@@ -640,6 +669,7 @@ class CalibratedNull:
             c.few_cells,
             TemporaryFolder() if c.spill else None,
             across_rounds=c.across_rounds,
+            spread=c.spread,
         )
 
     def decorrelates(
@@ -702,6 +732,7 @@ class CalibratedNull:
             self.decorrelate,
             self.token_centring,
             weights,
+            spread=self.spread,
         )
         self.decorrelated[round_id] = decorrelated
         display: dict[int, dict[str, float]] = {}
@@ -775,6 +806,7 @@ class CalibratedNull:
             self.token_centring,
             weights,
             self.block_cells,
+            spread=self.spread,
         )
         self.decorrelated[round_id] = decorrelated
         valid = self._exchangeable(round_id, scorer)

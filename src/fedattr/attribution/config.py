@@ -68,6 +68,15 @@ class AttributionConfig:
     taper_from: float = 0.01
     """``calibrated`` with KGW: the probability above which :attr:`taper` lowers a cell's
     weight (below it every cell keeps weight 1)."""
+    spread: float = 0.25
+    """``calibrated`` with KGW, rounds read within the round (paper mode; not the de-mixed
+    reading of hardened mode): after centring, read each cell with weight ``max(S, S_row) **
+    -spread``, ``S`` the median over the round's clients of the cell's centred change (its
+    spread: large where every client drifts, on likely tokens and common contexts) and
+    ``S_row`` its row's median ``S`` (a floor). A function of every client's change and of no
+    key, as the cell-wise median that centres it. 0.25 (default since 2026-11-27) was chosen on
+    seeds 100-109; 0 reads every cell as the taper leaves it, as before (see
+    :func:`~fedattr.attribution.calibrated.spread_weights`)."""
     spill: bool = False
     """``calibrated``: keep each client's summed change on disk (float32, a temporary folder)
     rather than in memory (float64), and standardise each round a block of rows at a time, so
@@ -154,6 +163,8 @@ class AttributionConfig:
             )
         if not (isinstance(self.taper, int | float) and 0.0 <= self.taper <= 2.0):
             raise DesignError(f"attribution.taper: must be in [0, 2], got {self.taper!r}")
+        if not (isinstance(self.spread, int | float) and 0.0 <= self.spread <= 1.0):
+            raise DesignError(f"attribution.spread: must be in [0, 1], got {self.spread!r}")
         if not (isinstance(self.taper_from, int | float) and 0.0 < self.taper_from <= 1.0):
             raise DesignError(f"attribution.taper_from: must be in (0, 1], got {self.taper_from!r}")
         if not isinstance(self.null_keys, int) or self.null_keys < 0:

@@ -132,6 +132,7 @@ class OwnerScorer:
             decorrelate,
             attribution.token_centring,
             weights,
+            spread=attribution.spread,
         )
         values, tensors = {}, {}
         for target, parts in zip(manifest["targets"], standard, strict=True):
