@@ -308,6 +308,12 @@ per client (measured: 1.3 GB for ten clients' blocks of 4M cells), so about 0.5 
 for ten clients."""
 
 
+def _over_vocabulary(law: KeyLaw) -> bool:
+    """Whether ``law``'s rows each mark several columns (KGW's green lists over a vocabulary):
+    only there are per-token drift and the clients' spread over cells things a key can miss."""
+    return isinstance(law, RowSubsets) and law.m > 1
+
+
 def _row_shape(law: KeyLaw, change: Change) -> tuple[int, int]:
     """``(rows, cols)`` the law reads a change as (its rows are centred independently)."""
     if isinstance(change, ChangeRows):
@@ -357,9 +363,8 @@ def standardise_blocks(
         rows, cols = _row_shape(law, changes[0][part])
         step = rows if cells is None else max(1, min(rows, cells // max(1, cols)))
         starts = list(range(0, rows, step))
-        # Per-token drift is only a thing for a key over a vocabulary (KGW's green lists).
-        tokens = token_centring and isinstance(law, RowSubsets) and law.m > 1
-        by_spread = spread > 0 and isinstance(law, RowSubsets) and law.m > 1
+        tokens = token_centring and _over_vocabulary(law)
+        by_spread = spread > 0 and _over_vocabulary(law)
 
         def differences(lo: int) -> list[torch.Tensor]:
             """Rows ``lo:lo + step`` of each target's change less the round's centre."""
@@ -929,7 +934,7 @@ class CalibratedNull:
             # Key-free centre as where cross-talk is undone: a minority of watermarked clients
             # barely moves the cell-wise median.
             C = _median(X) if len(identifiable) > 2 else X.mean(dim=0)
-            tokens = self.token_centring and isinstance(law, RowSubsets) and law.m > 1
+            tokens = self.token_centring and _over_vocabulary(law)
             for k, c in enumerate(identifiable):
                 d = (X[k] - C).reshape(self.mixed.shapes[part])
                 if tokens:
