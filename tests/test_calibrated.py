@@ -620,3 +620,18 @@ def test_reread_rebuilds_a_simulations_keys_and_gives_its_verdicts_again(tiny_ca
         for old, new in zip(saved["clients"], again["clients"], strict=True):
             assert new["tail"] == old["tail"]
             assert new["log10_p"] == pytest.approx(old["log10_p"], abs=1e-3)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 10, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cellwise_median_is_the_sorted_middle(k, dtype):
+    from fedattr.attribution.calibrated import _median
+
+    gen = torch.Generator().manual_seed(k)
+    X = torch.randn(k, 7, 5, generator=gen).to(dtype)
+    X[:, 0, 0] = 1.0  # ties
+    s = X.sort(dim=0).values
+    expected = s[k // 2] if k % 2 else 0.5 * (s[k // 2 - 1] + s[k // 2])
+    got = _median(X)
+    assert got.dtype == dtype and torch.equal(got, expected)
+    assert torch.equal(_median(X[:, :, ::2]), expected[:, ::2])  # strided input

@@ -149,7 +149,7 @@ def test_all_queries_of_a_round_go_to_sa_in_one_batch():
     sa = make_aggregator(SecAggConfig())
     calls = []
     run_queries = sa.run_queries
-    sa.run_queries = lambda groups: calls.append(len(groups)) or run_queries(groups)
+    sa.run_queries = lambda groups, **kw: calls.append(len(groups)) or run_queries(groups, **kw)
     sa.open_round(1, range(10))
     for j in range(10):
         sa.submit(j, torch.randn(8))
@@ -220,6 +220,14 @@ def test_threads_follow_fedattr_threads(monkeypatch):
         assert set_threads() == (4, None)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_lingering_load_takes_no_thread():
+    from fedattr.runtime import busy_cpus
+
+    # A job that ended seconds ago leaves a load of 0.5-0.7; one busy CPU reads about 1.
+    loads = (0.0, 0.6, 0.74, 0.8, 1.0, 1.7, 2.2)
+    assert [busy_cpus(x) for x in loads] == [0, 0, 0, 1, 1, 1, 2]
 
 
 def test_bugs_keep_their_traceback(monkeypatch):

@@ -51,6 +51,11 @@ def test_run_cli_writes_folder_and_rejects_bad_input(tiny_cache, tmp_path, capsy
     assert {"tpr", "fpr", "clients", "sa_queries", "timing"} <= set(res)
     assert (out / "attribution.png").is_file() and (out / "rounds.jsonl").is_file()
     assert "overhead" in (out / "report.md").read_text()
+    # Every stage a run goes through has its seconds and its peak memory.
+    stages = {"load", "teacher", "train", "sa", "scoring", "verdict"}
+    assert stages <= {k.removesuffix("_s") for k in res["timing"]}
+    assert stages <= set(res["memory_gb"]) and all(v > 0 for v in res["memory_gb"].values())
+    assert "| verdict_s |" in (out / "report.md").read_text()
     capsys.readouterr()
     assert main(["run", "--set", "fl.strategy=fedavg"]) == 2
     assert "fl.strategy: unknown 'fedavg'; allowed: fedit, flora" in capsys.readouterr().err

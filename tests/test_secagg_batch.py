@@ -299,3 +299,30 @@ def test_every_backend_refuses_the_same_updates(value, match):
         codec.check(np.full(2, value))
     assert str(info.value) == messages["plaintext"]
     assert np.array_equal(codec.check([1.0, -2.0]), np.array([1.0, -2.0]))
+
+
+def _summed(g, chosen, results):
+    """A reduction that shows which group and alternative it saw."""
+    return sum(results) + 1000.0 * g + 100.0 * chosen
+
+
+def _assert_combined(combined, plain):
+    for g, (c, p) in enumerate(zip(combined, plain, strict=True)):
+        assert (c.chosen, c.refusals, c.missing, c.error) == (
+            p.chosen,
+            p.refusals,
+            p.missing,
+            p.error,
+        )
+        if p.results is None:
+            assert c.results is None
+            continue
+        (only,) = c.results  # one array per answered group, reduced as it was answered
+        assert np.array_equal(only, _summed(g, p.chosen, p.results))
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_combine_reduces_each_answered_group(backend):
+    a, b = _round(backend), _round(backend)
+    _assert_combined(a.run_queries(MIXED, combine=_summed), b.run_queries(MIXED))
+    assert _timeless(a.log) == _timeless(b.log)  # the same queries were asked

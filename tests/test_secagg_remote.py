@@ -181,3 +181,10 @@ def test_layout_round_trips_through_json():
     assert UpdateLayout.from_dict(layout.to_dict()) == layout
     with pytest.raises(ValueError, match=r"layout\.dtypes"):
         UpdateLayout.from_dict({**layout.to_dict(), "dtypes": ["float32", "nonsense"]})
+
+
+def test_combine_reduces_each_answered_group_remotely():
+    from test_secagg_batch import _assert_combined, _summed
+
+    remote, _ = _remote()
+    _assert_combined(remote.run_queries(MIXED, combine=_summed), _sequential(_reference(), MIXED))

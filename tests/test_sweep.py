@@ -170,7 +170,7 @@ def test_a_sweep_killed_mid_run_resumes_to_the_same_table(tiny_cache, tmp_path, 
     assert RunFolder(out / "watermark.r=1_seed0").status == "interrupted"
     monkeypatch.setattr(main_module, "run_experiment", real)
     assert main([*args, "--out", str(out)]) == 0
-    timing = ("run_s", "train_s", "attribution_s", "sa_s", "scoring_s")
+    timing = ("run_s", "train_s", "attribution_s", "sa_s", "scoring_s", "verdict_s")
 
     def points(folder):
         summary = json.loads((folder / "results.json").read_text())

@@ -266,8 +266,14 @@ def _combine(inv: np.ndarray, Y: torch.Tensor, at_once: bool = False) -> torch.T
 
 def _median(X: torch.Tensor) -> torch.Tensor:
     """Cell-wise median over dim 0 (the mean of the two middle values for an even count)."""
-    s = X.sort(dim=0).values
-    k = s.shape[0]
+    k = X.shape[0]
+    middle = [k // 2] if k % 2 else [k // 2 - 1, k // 2]
+    if X.device.type == "cpu" and k > 1 and X.dtype in (torch.float32, torch.float64):
+        # A partial sort finds the same middle values as a full sort, several times faster
+        # than sorting a strided dim 0 (a round's centring and spread weights at every cell).
+        s = torch.from_numpy(np.partition(X.numpy(), middle, axis=0))
+    else:
+        s = X.sort(dim=0).values
     return s[k // 2] if k % 2 else 0.5 * (s[k // 2 - 1] + s[k // 2])
 
 

@@ -51,7 +51,8 @@ class AttributionObserver(Observer):
     def round_opened(self, ctx: RoundContext) -> None:
         self.settle()
         t0 = time.perf_counter()
-        estimates = self._estimates(ctx)
+        with ctx.timing.watch("sa_s"):
+            estimates = self._estimates(ctx)
         t1 = time.perf_counter()
         self.timing["sa_s"] += t1 - t0
         if self.primary:
@@ -62,7 +63,10 @@ class AttributionObserver(Observer):
         steps = ctx.progress.steps(
             len(estimates.estimates), f"round {ctx.round} {self.name} scoring", lines=False
         )
-        record, seconds = self._score(ctx, estimates, lambda r: steps.step(f"client {r.target}"))
+        with ctx.timing.watch("scoring_s"):
+            record, seconds = self._score(
+                ctx, estimates, lambda r: steps.step(f"client {r.target}")
+            )
         steps.close()
         self._record(ctx, record, seconds)
 

@@ -155,7 +155,15 @@ class FedAttr:
                 QueryGroup([design_queries(d, f) for d, f in zip(ds, fs, strict=True)])
                 for _, ds, fs in plans
             ]
-            answers = sa.run_queries(groups)
+
+            def estimate(
+                g: int, chosen: int, results: list[np.ndarray], plans: list = plans
+            ) -> np.ndarray:
+                _, designs, fused = plans[g]
+                return combine_answers(designs[chosen], results, fused[chosen])
+
+            # Each group's 2M answers reduced to its estimate as soon as it is answered.
+            answers = sa.run_queries(groups, combine=estimate)
             out.batches += 1
             pending = []
             for (target, designs, fused), answer in zip(plans, answers, strict=True):
@@ -164,7 +172,7 @@ class FedAttr:
                     assert answer.chosen is not None  # an answered group says which design
                     st.attempts += answer.chosen + 1
                     design, as_one = designs[answer.chosen], fused[answer.chosen]
-                    flat = combine_answers(design, answer.results, as_one)
+                    (flat,) = answer.results
                     done[target] = Estimate(
                         target, flat, design, st.attempts, answer.seconds, as_one
                     )

@@ -271,7 +271,12 @@ class CalibratedStatistic(Statistic):
         spread = []
         if isinstance(scorer, SpreadReporter):
             spread = [scorer.effective_contexts(ref_obs, obs) for obs in observed[: len(updates)]]
-        changes = [_per_step(scorer.change(ref_obs, obs), step) for obs in observed]
+        # Each reading dropped as its change is made: a round holds one copy of its
+        # vocabulary-sized matrices, not two (1.4 GB at SmolLM2's vocabulary).
+        changes = []
+        for k in range(len(observed)):
+            changes.append(_per_step(scorer.change(ref_obs, observed[k]), step))
+            observed[k] = None
         del observed
         middle = changes.pop() if center is not None else None
         weights = taper_weights(scorer, ref_obs, self.config.taper, self.config.taper_from)

@@ -90,7 +90,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         f"\n{cfg.fl.strategy} / {cfg.watermark.kind.upper()} / {cfg.model.preset}: "
         f"{result.sa_queries} SA queries; "
         f"train {t['train_s']:.1f} s, SA {t['sa_s']:.1f} s, scoring {t['scoring_s']:.1f} s, "
-        f"total {t['total_s']:.1f} s (FedAttr overhead {100 * t['overhead']:.0f}% of training)"
+        f"verdict {t.get('verdict_s', 0.0):.1f} s, total {t['total_s']:.1f} s "
+        f"(FedAttr overhead {100 * t['overhead']:.0f}% of training)"
     )
     for name, v in result.variants.items():
         print(

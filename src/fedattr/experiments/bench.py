@@ -15,7 +15,7 @@ import torch
 
 from ..errors import UserError
 from ..reporting.markdown import table
-from ..runtime import require_cuda
+from ..runtime import PeakMemory, require_cuda
 from ..secagg import BACKENDS, SecAggConfig, make_aggregator
 
 
@@ -188,6 +188,10 @@ def _peak_flops(gpu: str | None) -> float | None:
     return None
 
 
+# Stages as a run's memory profile names them (its Stopwatch's keys) -> as the bench does.
+_STAGE_OF = {"train": "training"}
+
+
 def pipeline_figures(results: dict) -> dict:
     """Per-stage seconds, work and throughput from a run's ``results.json`` content."""
     t, work = results["timing"], results.get("work", {})
@@ -231,7 +235,11 @@ def pipeline_figures(results: dict) -> dict:
             "models": scored,
             "models_per_s": rate(scored, t["scoring_s"]),
         },
+        "verdict": {"seconds": t.get("verdict_s", 0.0)},
     }
+    for name, gb in results.get("memory_gb", {}).items():
+        stages.setdefault(_STAGE_OF.get(name, name), {"seconds": t.get(f"{name}_s", 0.0)})
+        stages[_STAGE_OF.get(name, name)]["peak_gb"] = gb
     return {
         "device": model.get("device"),
         "gpu": model.get("gpu"),
@@ -279,15 +287,24 @@ def format_pipeline(fig: dict) -> str:
             f"{sc['models']:.0f} models read",
             f"{f(sc['models_per_s'], '.2f')} models/s",
         ],
+        ["verdict (exact tails, rank check)", f(st["verdict"]["seconds"]), "", ""],
     ]
+    keys = ["load", "teacher", "training", "sa", "scoring", "verdict"]
+    for row, key in zip(rows, keys, strict=True):
+        row.append(f(st[key].get("peak_gb"), ".2f"))
+    # Stages only some runs have (baselines): seconds and peak only.
+    for key, stage in st.items():
+        if key not in keys:
+            rows.append([key, f(stage.get("seconds")), "", "", f(stage.get("peak_gb"), ".2f")])
     where = fig["gpu"] or "CPU"
     dtype = f", {fig['dtype']}" if fig.get("dtype") else ""
     foot = (
         f"\nDevice: {fig['device']} ({where}{dtype}); {fig['parameters']:,} model parameters; "
-        f"total {fig['total_s']:.1f} s; FedAttr overhead (SA + scoring) / training: "
+        f"total {fig['total_s']:.1f} s; FedAttr overhead (SA + scoring + verdict) / training: "
         f"{100 * fig['overhead']:.1f}%"
     )
-    return table(["stage", "seconds", "work", "throughput"], rows) + "\n" + foot
+    head = ["stage", "seconds", "work", "throughput", "peak RSS GB"]
+    return table(head, rows) + "\n" + foot
 
 
 def bench_scoring(cfg: Any, candidates: int, repeats: int, say: Callable[[str], None]) -> list:
@@ -420,41 +437,6 @@ def format_scoring(rows: Sequence[dict]) -> str:
             for r in rows
         ],
     )
-
-
-class PeakMemory:
-    """Peak resident memory per stage: Linux's high-water mark (``VmHWM``), reset at each stage
-    through ``/proc/self/clear_refs``; elsewhere the process's lifetime peak
-    (``getrusage``), which only grows."""
-
-    def __init__(self) -> None:
-        self.resettable = self._reset()
-
-    @staticmethod
-    def _reset() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return True
-        except OSError:
-            return False
-
-    def start(self) -> None:
-        """Begin a stage (the peak is reset where it can be)."""
-        if self.resettable:
-            self._reset()
-
-    def peak_gb(self) -> float:
-        """The peak since :meth:`start` (or since the process started), in GB (1e9 bytes)."""
-        if self.resettable:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024 / 1e9
-        import resource
-
-        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
-        return kb * (1 if sys.platform == "darwin" else 1024) / 1e9
 
 
 class _SyntheticChanges:

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..config import load, parse_scalar
 from ..errors import UserError
+from ..fl.timing import ATTRIBUTION_STAGES
 from ..pipeline.config import RunConfig, check_seeds, preset_overrides
 from ..reporting.markdown import percent, table
 from ..reporting.run_folder import RunFolder
@@ -163,11 +164,14 @@ def _point_metrics(results: dict, variant: str | None) -> dict[str, Any]:
     neg = [c for c in clients if not c.get("watermarked")]
 
     timing = part["timing"]
-    attribution_s = timing["sa_s"] + timing["scoring_s"]
+    # A variant's timing holds its rounds' SA and scoring only; runs before 2026-11-27 had no
+    # verdict_s.
+    attribution_s = sum(timing.get(stage, 0.0) for stage in ATTRIBUTION_STAGES)
     work = results.get("work", {}) if variant is None else {}
     return {
         "sa_s": timing["sa_s"],
         "scoring_s": timing["scoring_s"],
+        "verdict_s": timing.get("verdict_s"),
         "models_scored": work.get("models_scored"),
         "tpr": part["tpr"],
         "fpr": part["fpr"],
@@ -253,6 +257,7 @@ def summarize(spec: SweepSpec, rows: list[dict], configs: dict[int, RunConfig]) 
                         "train_s",
                         "sa_s",
                         "scoring_s",
+                        "verdict_s",
                         "models_scored",
                     )
                 },
@@ -342,12 +347,13 @@ def format_overhead(summary: dict) -> str:
         "scoring evaluations",
         "scoring total s",
         "per evaluation s",
+        "verdict s",
         "% of training",
     ]
     rows = []
     for p in summary["points"]:
         q, n = p["sa_queries"], p["models_scored"]
-        share = (p["sa_s"] + p["scoring_s"]) / p["train_s"] if p["train_s"] else None
+        share = p["attribution_s"] / p["train_s"] if p["train_s"] else None
         rows.append(
             [
                 *(p["values"][k] for k in keys),
@@ -359,6 +365,7 @@ def format_overhead(summary: dict) -> str:
                 _num(n, ".0f"),
                 _num(p["scoring_s"], ".1f"),
                 _num(p["scoring_s"] / n if n else None, ".3f"),
+                _num(p.get("verdict_s"), ".1f"),
                 percent(share),
             ]
         )
@@ -366,7 +373,8 @@ def format_overhead(summary: dict) -> str:
         (summary.get("caption") or "")
         + f"Preset {summary['preset']}; seeds {summary['seeds']} (means). SA queries include "
         "each round's aggregate; scoring evaluations are the models the detector read "
-        "(reference, every candidate, the SA mean).\n\n"
+        "(reference, every candidate, the SA mean); the verdict reads every client's summed "
+        "change with each owner's key at the end (exact tails, rank check).\n\n"
     )
     return caption + table(head, rows) + "\n"
 

@@ -9,6 +9,7 @@ from ..errors import UserError
 from ..models.lora import trainable_lora_parameters
 from ..models.text import Example
 from ..models.training import TrainSettings, train
+from ..runtime import release_memory
 from ..secagg.aggregator import SecureAggregator
 from .node import scaled_update, train_seed
 from .pool import ClientPool, PlaintextTap
@@ -88,6 +89,7 @@ class InProcessPool(ClientPool):
             sa.submit(c, scaled_update(update, scales[c]))
             if self._tap is not None:
                 self._tap.updates[c] = {k: v.detach().float().cpu() for k, v in update.items()}
+            release_memory()  # the training step's freed buffers, before the next client's
             steps.step(f"client {c} loss {stats['loss']:.3f}")
         steps.close()
         return losses

@@ -109,6 +109,7 @@ class LLMClientNode:
         ``{"loss", "train_tokens", "train_steps"}``."""
         from ..models.lora import attach_lora, trainable_lora_parameters
         from ..models.training import train
+        from ..runtime import release_memory
         from .registry import make_strategy
 
         examples = self._examples()
@@ -126,6 +127,7 @@ class LLMClientNode:
             seed=train_seed(self.fl_cfg.seed, round_id, self.client_id),
         )
         update = scaled_update(client.update(model, state), scale)
+        release_memory()  # the training steps' freed buffers, while the node waits
         return update, {
             "loss": float(stats["loss"]),
             "train_tokens": float(stats["tokens"]),

@@ -38,6 +38,7 @@ from ..fl.progress import Progress
 from ..fl.registry import make_strategy
 from ..fl.server import Checkpointer, Observer, RoundEngine, Stopwatch
 from ..fl.synthetic import SyntheticPool
+from ..fl.timing import overhead
 from ..models.loading import load_model
 from ..models.lora import attach_lora, candidate_stacker, load_state
 from ..models.text import encode_examples
@@ -116,6 +117,7 @@ class RunResult:
             summary,
             self.report,
             timing=self.timing,
+            memory=self.details.get("memory_gb"),
             variants=self.variants,
             baselines=[b.to_dict() for b in self.baselines],
         )
@@ -177,9 +179,6 @@ def _finish(
     if announce is not None:
         announce("final verdicts: each client's summed change read with every owner's key")
     start = time.perf_counter()
-    timing = dict(engine.timing.seconds)
-    timing["total_s"] = engine.timing.elapsed()
-    timing["overhead"] = (timing["sa_s"] + timing["scoring_s"]) / max(timing["train_s"], 1e-9)
     losses = {h.round: h.losses for h in engine.history}
     primary, *others = observers
     rounds = [
@@ -200,7 +199,8 @@ def _finish(
     base = to_dict(primary.fedattr.config)
     variants = {}
     for o in others:
-        rep = o.fedattr.report(truth)
+        with engine.timing.watch("verdict_s"):
+            rep = o.fedattr.report(truth)
         variants[o.name] = {
             "differs": {k: v for k, v in to_dict(o.fedattr.config).items() if base[k] != v},
             "null": o.fedattr.null,
@@ -214,11 +214,20 @@ def _finish(
             "clients": [c.to_dict() for c in rep.clients],
             "by_statistic": rep.to_dict()["by_statistic"],
         }
-    details = {**details, "work": dict(engine.timing.counts)}
-    changes, laws = primary.fedattr.statistic.changes()
-    report = primary.fedattr.report(truth)
+    # The primary's verdict is FedAttr's last stage of work, part of its overhead.
+    with engine.timing.measure("verdict_s"):
+        changes, laws = primary.fedattr.statistic.changes()
+        report = primary.fedattr.report(truth)
     if announce is not None:
         announce(f"final verdicts: {time.perf_counter() - start:.1f} s")
+    timing = dict(engine.timing.seconds)
+    timing["total_s"] = engine.timing.elapsed()
+    timing["overhead"] = overhead(timing)
+    details = {
+        **details,
+        "work": dict(engine.timing.counts),
+        "memory_gb": {k.removesuffix("_s"): v for k, v in engine.timing.peaks.items()},
+    }
     return RunResult(
         dataclasses.replace(cfg),
         report,

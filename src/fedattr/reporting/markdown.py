@@ -132,9 +132,20 @@ def baselines_table(baselines: Sequence[Mapping[str, Any]]) -> str:
     return table(["baseline", "respects SA", "flagged", "TPR", "FPR", "p"], rows)
 
 
-def stages_table(timing: Mapping[str, float]) -> str:
-    """Seconds per stage."""
-    return table(["stage", "seconds"], [[k, f"{v:.1f}"] for k, v in timing.items()])
+def stages_table(timing: Mapping[str, float], memory: Mapping[str, float] | None = None) -> str:
+    """Seconds per stage, and each stage's peak resident memory where ``memory`` (GB, keyed by
+    the stage without ``_s``) has it."""
+    if not memory:
+        return table(["stage", "seconds"], [[k, f"{v:.1f}"] for k, v in timing.items()])
+    rows = [
+        [
+            k,
+            f"{v:.1f}",
+            f"{memory[k.removesuffix('_s')]:.2f}" if k.removesuffix("_s") in memory else "",
+        ]
+        for k, v in timing.items()
+    ]
+    return table(["stage", "seconds", "peak RSS GB"], rows)
 
 
 def variants_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
@@ -228,6 +239,7 @@ def run_report(
     report: AttributionReport,
     *,
     timing: Mapping[str, float] | None = None,
+    memory: Mapping[str, float] | None = None,
     variants: Mapping[str, Mapping[str, Any]] | None = None,
     baselines: Sequence[Mapping[str, Any]] = (),
 ) -> str:
@@ -237,9 +249,9 @@ def run_report(
     parts = [title, *summary, attribution_table(report)]
     if timing is not None:
         parts += [
-            stages_table(timing),
+            stages_table(timing, memory),
             f"FedAttr overhead over FL training: {100 * timing['overhead']:.1f}% "
-            "((SA + scoring) / training)",
+            "((SA + scoring + verdict) / training)",
         ]
     if variants:
         parts += [

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from ..updates import Update, UpdateLayout
-from .batches import GroupAnswer, QueryGroup, answer_group, check_groups
+from .batches import Combine, GroupAnswer, QueryGroup, answer_group, check_groups, combined
 from .errors import QueryFailed, QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
 from .policy import ReleasePolicy, SessionLedgers
@@ -177,7 +177,9 @@ class SecureAggregator(ABC):
         members, coefs, denominator = self._admit(Query(coefficients, denominator))
         return self._run(members, coefs, denominator) / denominator
 
-    def run_queries(self, groups: Sequence[QueryGroup]) -> list[GroupAnswer]:
+    def run_queries(
+        self, groups: Sequence[QueryGroup], combine: Combine | None = None
+    ) -> list[GroupAnswer]:
         """Answer a batch of query groups, one :class:`GroupAnswer` per group, in order.
 
         Every query runs exactly as the single-query methods would, in the order of the groups,
@@ -191,9 +193,17 @@ class SecureAggregator(ABC):
 
         Anything else propagates. The default runs the queries one at a time in this process;
         a runtime with remote clients may override it to batch each round's messages.
+
+        With ``combine``, each answered group's results become ``[combine(g, chosen,
+        results)]`` as soon as group ``g`` is answered: the caller's reduction (an estimate
+        from its 2M subset sums), so that a batch holds one group's answers at a time instead
+        of every group's (a round's 100 float64 copies of an update at K = 10).
         """
         check_groups(groups)
-        return [answer_group(group, self._run_query) for group in groups]
+        return [
+            combined(g, answer_group(group, self._run_query), combine)
+            for g, group in enumerate(groups)
+        ]
 
     def _admit(self, query: Query) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """``query`` validated as the single-query methods validate it: (sorted members, their

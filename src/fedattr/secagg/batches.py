@@ -38,8 +38,8 @@ class GroupAnswer:
     :class:`QueryGroup`."""
 
     results: list[np.ndarray] | None
-    """Flat float64 result per query of the answered alternative; ``None`` if no alternative
-    was answered in full."""
+    """Flat float64 result per query of the answered alternative (with a ``combine``, the one
+    array it reduced them to); ``None`` if no alternative was answered in full."""
     chosen: int | None
     """Index of the answered alternative (``None`` when ``results`` is ``None``)."""
     refusals: int = 0
@@ -50,6 +50,21 @@ class GroupAnswer:
     """Message of the last refusal or failure."""
     seconds: float = 0.0
     """Wall time spent on this group."""
+
+
+Combine = Callable[[int, int, list[np.ndarray]], np.ndarray]
+"""``(group index, chosen alternative, its results) -> one array``: a caller's reduction of a
+group's answers, applied by :meth:`~fedattr.secagg.SecureAggregator.run_queries` as each group
+is answered."""
+
+
+def combined(g: int, answer: GroupAnswer, combine: Combine | None) -> GroupAnswer:
+    """``answer`` (of group ``g``) with its results reduced by ``combine`` (when given and the
+    group was answered)."""
+    if combine is not None and answer.results is not None:
+        assert answer.chosen is not None  # an answered group says which alternative
+        answer.results = [combine(g, answer.chosen, answer.results)]
+    return answer
 
 
 def check_groups(groups: Sequence[QueryGroup]) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from ..updates import UpdateLayout
 from .aggregator import SecureAggregator
-from .batches import GroupAnswer, QueryGroup, check_groups
+from .batches import Combine, GroupAnswer, QueryGroup, check_groups, combined
 from .errors import QueryFailed, QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
 from .queries import QueryRecord
@@ -164,7 +164,9 @@ class RemoteMaskingServer(SecureAggregator):
         assert outcome.total is not None
         return self.codec.decode(outcome.total), outcome.moved, outcome.client_max
 
-    def run_queries(self, groups: Sequence[QueryGroup]) -> list[GroupAnswer]:
+    def run_queries(
+        self, groups: Sequence[QueryGroup], combine: Combine | None = None
+    ) -> list[GroupAnswer]:
         """Every group's queries planned here (validation and the release policy, as
         :meth:`SecureAggregator.run_queries` would decide them), then answered in **one**
         exchange: one message per client for the whole batch.
@@ -214,7 +216,7 @@ class RemoteMaskingServer(SecureAggregator):
         queries = [q for _, planned in plans for q, _ in planned]
         outcomes = self._exchange(queries) if queries else {}
         share = (time.perf_counter() - start) / max(1, len(queries))
-        for answer, planned in plans:
+        for g, (answer, planned) in enumerate(plans):
             results: list[np.ndarray] = []
             for q, denominator in planned:
                 outcome = outcomes[q.query_id]
@@ -246,6 +248,7 @@ class RemoteMaskingServer(SecureAggregator):
                     tap(self.log[-1], total)
             if answer.chosen is not None and len(results) == len(planned):
                 answer.results = results
+                combined(g, answer, combine)  # decoded a group at a time, reduced at once
             else:
                 answer.chosen = None
             answer.seconds = share * len(planned)
