@@ -3,8 +3,12 @@ left."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import UserError
@@ -118,7 +122,14 @@ def require_cuda(flag: str) -> None:
         raise UserError(f"{flag}=cuda: torch sees no CUDA device here; allowed: cpu")
 
 
-_LIBC: list = []
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or ``None`` where there is none (looked up once)."""
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
 
 
 def release_memory() -> bool:
@@ -130,19 +141,10 @@ def release_memory() -> bool:
     process held 4.0 GB of which 1.0 GB was live. Called between stages and clients, this
     keeps the next stage's peak at what it really uses; per allocation (a fixed mmap
     threshold) it would cost training a third of its speed."""
-    if not _LIBC:
-        import ctypes
-        import ctypes.util
-
-        name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
-        try:
-            libc = ctypes.CDLL(name) if name else None
-            _LIBC.append(libc if libc is not None and hasattr(libc, "malloc_trim") else None)
-        except OSError:
-            _LIBC.append(None)
-    if _LIBC[0] is None:
+    trim = _malloc_trim()
+    if trim is None:
         return False
-    _LIBC[0].malloc_trim(0)
+    trim(0)
     return True
 
 

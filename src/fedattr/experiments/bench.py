@@ -238,8 +238,8 @@ def pipeline_figures(results: dict) -> dict:
         "verdict": {"seconds": t.get("verdict_s", 0.0)},
     }
     for name, gb in results.get("memory_gb", {}).items():
-        stages.setdefault(_STAGE_OF.get(name, name), {"seconds": t.get(f"{name}_s", 0.0)})
-        stages[_STAGE_OF.get(name, name)]["peak_gb"] = gb
+        stage = stages.setdefault(_STAGE_OF.get(name, name), {"seconds": t.get(f"{name}_s", 0.0)})
+        stage["peak_gb"] = gb
     return {
         "device": model.get("device"),
         "gpu": model.get("gpu"),
