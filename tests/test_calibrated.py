@@ -635,3 +635,9 @@ def test_cellwise_median_is_the_sorted_middle(k, dtype):
     got = _median(X)
     assert got.dtype == dtype and torch.equal(got, expected)
     assert torch.equal(_median(X[:, :, ::2]), expected[:, ::2])  # strided input
+    # Off the CPU (here: a dtype the partial sort does not take) by blocks of columns, any size.
+    half = X.to(torch.bfloat16)
+    s = half.sort(dim=0).values
+    expected = s[k // 2] if k % 2 else 0.5 * (s[k // 2 - 1] + s[k // 2])
+    for block in (1, 7, 3 * k, 10**6):
+        assert torch.equal(_median(half, block=block), expected)

@@ -264,17 +264,32 @@ def _combine(inv: np.ndarray, Y: torch.Tensor, at_once: bool = False) -> torch.T
     return out
 
 
-def _median(X: torch.Tensor) -> torch.Tensor:
+_MEDIAN_BLOCK = 1 << 24
+"""Elements sorted at once by :func:`_median` off the CPU (0.2 GB of float32 values and their
+int64 indices)."""
+
+
+def _middle(s: torch.Tensor) -> torch.Tensor:
+    k = s.shape[0]
+    return s[k // 2] if k % 2 else 0.5 * (s[k // 2 - 1] + s[k // 2])
+
+
+def _median(X: torch.Tensor, block: int = _MEDIAN_BLOCK) -> torch.Tensor:
     """Cell-wise median over dim 0 (the mean of the two middle values for an even count)."""
     k = X.shape[0]
-    middle = [k // 2] if k % 2 else [k // 2 - 1, k // 2]
     if X.device.type == "cpu" and k > 1 and X.dtype in (torch.float32, torch.float64):
         # A partial sort finds the same middle values as a full sort, several times faster
         # than sorting a strided dim 0 (a round's centring and spread weights at every cell).
-        s = torch.from_numpy(np.partition(X.numpy(), middle, axis=0))
-    else:
-        s = X.sort(dim=0).values
-    return s[k // 2] if k % 2 else 0.5 * (s[k // 2 - 1] + s[k // 2])
+        middle = [k // 2] if k % 2 else [k // 2 - 1, k // 2]
+        return _middle(torch.from_numpy(np.partition(X.numpy(), middle, axis=0)))
+    # Elsewhere (a GPU) one sort of the whole of X would hold its values and int64 indices at
+    # once, 8 GB for a SmolLM2 round read on 128 probes: sort blocks of columns instead.
+    flat = X.reshape(k, -1)
+    out = torch.empty(flat.shape[1], dtype=X.dtype, device=X.device)
+    step = max(1, block // max(1, k))
+    for lo in range(0, flat.shape[1], step):
+        out[lo : lo + step] = _middle(flat[:, lo : lo + step].sort(dim=0).values)
+    return out.reshape(X.shape[1:])
 
 
 def spread_weights(D: torch.Tensor, cols: int, exponent: float) -> torch.Tensor:
