@@ -322,11 +322,11 @@ class ChangeRows:
 Change = torch.Tensor | ChangeRows
 """One part of a change: held whole, or read by row blocks."""
 
-STANDARDISE_CELLS = 1 << 20
+STANDARDISE_CELLS = 1 << 18
 """Cells per row block where a round is standardised by blocks (:func:`standardise_blocks`):
 its K changes, their float64 combination and the sort for the median take 40-50 bytes a cell
-per client (measured: 1.3 GB for ten clients' blocks of 4M cells), so about 0.5 GB a block
-for ten clients."""
+per client (measured: 1.3 GB for ten clients' blocks of 4M cells), so about 0.12 GB a block
+for ten clients (0.45 GB at 2^20 cells, a SmolLM2 round's peak on the CPU on 2026-11-27)."""
 
 
 def _over_vocabulary(law: KeyLaw) -> bool:

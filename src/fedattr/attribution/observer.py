@@ -12,6 +12,8 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
+import numpy as np
+
 from ..fl.pool import PlaintextTap
 from ..fl.server import Observer, RoundContext, RunEnd
 from ..updates import scale_update
@@ -28,6 +30,9 @@ class AttributionObserver(Observer):
     so it runs while the clients train the next round; the engine collects it (:meth:`settle`)
     before the next round's attribution starts.
     """
+
+    reads_sa: bool = True
+    """Whether the estimates come from SA's answers (so are asked while the round is open)."""
 
     def __init__(
         self,
@@ -47,16 +52,27 @@ class AttributionObserver(Observer):
         self.timing = {"sa_s": 0.0, "scoring_s": 0.0}
         self.background = background
         self._pending: tuple[RoundContext, Future] | None = None
+        self._asked: RoundEstimates | None = None
 
     def round_opened(self, ctx: RoundContext) -> None:
         self.settle()
+        if not self.reads_sa:
+            return
         t0 = time.perf_counter()
         with ctx.timing.watch("sa_s"):
-            estimates = self._estimates(ctx)
+            self._asked = self._estimates(ctx)
         t1 = time.perf_counter()
         self.timing["sa_s"] += t1 - t0
         if self.primary:
             ctx.timing.add("sa_s", t1 - t0)
+
+    def round_closed(self, ctx: RoundContext) -> None:
+        # Scored once SA has closed the round: the masked updates it held (a 7.4M-coordinate
+        # update per client in SmolLM2) are freed before the vocabulary-sized reads begin.
+        estimates = self._asked if self.reads_sa else self._estimates(ctx)
+        self._asked = None
+        if estimates is None:
+            return
         if self.background is not None:
             self._pending = (ctx, self.background.submit(self._score, ctx, estimates, None))
             return
@@ -145,6 +161,8 @@ class CeilingObserver(AttributionObserver):
     design matrix), so the statistic runs exactly as on estimates whose cross-talk was undone.
     """
 
+    reads_sa = False
+
     def __init__(
         self,
         fedattr: FedAttr,
@@ -161,9 +179,10 @@ class CeilingObserver(AttributionObserver):
         answered = [c for c in ctx.answered if c in self.tap.updates]
         # The units of an estimate: what the client submitted to SA (its update times n * p_i).
         scales = self.scales(list(ctx.participants))
-        layout = ctx.sa.layout
+        layout = ctx.sa.layout  # known until the next round opens
         out = RoundEstimates(ctx.round, list(answered), layout)
         for c in answered:
             flat = layout.flatten(scale_update(self.tap.updates[c], scales[c]))
+            flat = flat.astype(np.float32)  # as FedAttr's estimates (FedAttr.query_round)
             out.estimates.append(Estimate(c, flat, own_update_design(c, answered), 1, 0.0))
         return out

@@ -160,7 +160,9 @@ class FedAttr:
                 g: int, chosen: int, results: list[np.ndarray], plans: list = plans
             ) -> np.ndarray:
                 _, designs, fused = plans[g]
-                return combine_answers(designs[chosen], results, fused[chosen])
+                # Kept in float32: every model it is read into computes in float32 or less
+                # (add_update casts it so), and a round holds K of them (0.3 GB for SmolLM2).
+                return combine_answers(designs[chosen], results, fused[chosen]).astype(np.float32)
 
             # Each group's 2M answers reduced to its estimate as soon as it is answered.
             answers = sa.run_queries(groups, combine=estimate)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import chain
 from typing import Any, ClassVar
 
@@ -258,26 +258,28 @@ class CalibratedStatistic(Statistic):
         if step is None:
             step = scorer.reading_step if isinstance(scorer, SteppedReading) else 1.0
         # Scaled as each model is built (not all up front): a lazy read holds one candidate.
-        ref_obs, *observed = observe_all(
-            scorer,
-            chain(
-                [reference],
-                (
-                    apply(reference, u if step == 1.0 else scale_update(u, step))
-                    for u in [*updates, *extra]
+        reads = _drained(
+            observe_all(
+                scorer,
+                chain(
+                    [reference],
+                    (
+                        apply(reference, u if step == 1.0 else scale_update(u, step))
+                        for u in [*updates, *extra]
+                    ),
                 ),
-            ),
+            )
         )
-        spread = []
-        if isinstance(scorer, SpreadReporter):
-            spread = [scorer.effective_contexts(ref_obs, obs) for obs in observed[: len(updates)]]
-        # Each reading dropped as its change is made: a round holds one copy of its
-        # vocabulary-sized matrices, not two (11 x 54 MB at SmolLM2's 275 contexts).
-        changes = []
-        for k in range(len(observed)):
-            changes.append(_per_step(scorer.change(ref_obs, observed[k]), step))
-            observed[k] = None
-        del observed
+        ref_obs = next(reads)
+        # Each reading made into its change as soon as it is read and then dropped: a round
+        # holds its changes, not its readings too (11 x 54 MB each at SmolLM2's 275 contexts).
+        spread, changes = [], []
+        for k, obs in enumerate(reads):
+            if isinstance(scorer, SpreadReporter) and k < len(updates):
+                spread.append(scorer.effective_contexts(ref_obs, obs))
+            changes.append(_per_step(scorer.change(ref_obs, obs), step))
+            del obs
+        del reads, updates, extra  # every model is read: the undone updates are not kept
         middle = changes.pop() if center is not None else None
         weights = taper_weights(scorer, ref_obs, self.config.taper, self.config.taper_from)
         display = self.calibrated.add_round(
@@ -349,6 +351,17 @@ class CalibratedStatistic(Statistic):
     def load(self, state: Mapping) -> None:
         super().load(state)
         self.calibrated.load(state["calibrated"])
+
+
+def _drained(items: Iterable[Any]) -> Iterator[Any]:
+    """``items`` one by one, a list emptied as it goes (so a batched read's readings are freed
+    as they are used, as a lazy read's are)."""
+    if isinstance(items, list):
+        items.reverse()
+        while items:
+            yield items.pop()
+    else:
+        yield from items
 
 
 def _per_step(change: dict[str, Any], step: float) -> dict[str, Any]:
