@@ -326,3 +326,67 @@ def test_combine_reduces_each_answered_group(backend):
     a, b = _round(backend), _round(backend)
     _assert_combined(a.run_queries(MIXED, combine=_summed), b.run_queries(MIXED))
     assert _timeless(a.log) == _timeless(b.log)  # the same queries were asked
+
+
+def _signed(groups):
+    """MIXED with a linear reduction on every alternative: signs +1, -1, 3, ... and divisor 2."""
+    return [
+        QueryGroup(
+            g.alternatives,
+            reduce=[([(1, -1, 3)[k % 3] for k in range(len(alt))], 2) for alt in g.alternatives],
+        )
+        for g in groups
+    ]
+
+
+def _assert_reduced(reduced, plain, groups):
+    for c, p, g in zip(reduced, plain, groups, strict=True):
+        assert (c.chosen, c.refusals, c.missing, c.error) == (
+            p.chosen,
+            p.refusals,
+            p.missing,
+            p.error,
+        )
+        if p.results is None:
+            assert c.results is None
+            continue
+        signs, divisor = g.reduce[p.chosen]
+        want = p.results[0] * signs[0]
+        for sign, r in zip(signs[1:], p.results[1:], strict=True):
+            want = want + sign * r
+        (only,) = c.results  # summed as the answers arrived
+        assert np.array_equal(only, want / divisor)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_linear_reduction_sums_each_group_as_it_is_answered(backend):
+    a, b = _round(backend), _round(backend)
+    seen = []
+    a.answer_taps.append(lambda record, total: seen.append((total, total.copy())))
+    groups = _signed(MIXED)
+    _assert_reduced(a.run_queries(groups), b.run_queries(MIXED), groups)
+    assert _timeless(a.log) == _timeless(b.log)  # the same queries were asked
+    assert seen and all(np.array_equal(x, y) for x, y in seen)  # taps' answers left as given
+
+
+def test_the_estimate_formed_as_answers_arrive_has_the_bits_of_combine_answers():
+    from fedattr.attribution.design import draw_design
+    from fedattr.attribution.estimator import combine_answers, design_queries, design_reduction
+
+    design = draw_design(list(range(K)), 2, 2, 2, np.random.default_rng(0), min_members=2)
+    for fused in (False, True):
+        a, b = _round("pairwise-mask", 2), _round("pairwise-mask", 2)
+        queries = design_queries(design, fused)
+        group = QueryGroup([queries], reduce=[design_reduction(design, fused)])
+        ((estimate,),) = [ans.results for ans in a.run_queries([group])]
+        (plain,) = b.run_queries([QueryGroup([queries])])
+        assert np.array_equal(estimate, combine_answers(design, plain.results, fused))
+
+
+def test_a_malformed_reduction_is_refused_before_any_query_runs():
+    sa = _round("plaintext")
+    alternatives = [[Query.subset([0, 1, 2]), Query.subset([3, 4, 5])]]
+    for reduce in ([([1], 1)], [([1, 1], 0)], [([1, 1], 1), ([1], 1)]):
+        with pytest.raises(SecAggError, match=r"groups\[0\]\.reduce needs one"):
+            sa.run_queries([QueryGroup(alternatives, reduce=reduce)])
+    assert sa.log == []

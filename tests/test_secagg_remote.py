@@ -188,3 +188,11 @@ def test_combine_reduces_each_answered_group_remotely():
 
     remote, _ = _remote()
     _assert_combined(remote.run_queries(MIXED, combine=_summed), _sequential(_reference(), MIXED))
+
+
+def test_a_linear_reduction_sums_each_group_remotely():
+    from test_secagg_batch import _assert_reduced, _signed
+
+    remote, _ = _remote()
+    groups = _signed(MIXED)
+    _assert_reduced(remote.run_queries(groups), _sequential(_reference(), MIXED), groups)

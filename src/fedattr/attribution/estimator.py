@@ -21,6 +21,15 @@ def design_queries(design: QueryDesign, fused: bool = False) -> list[Query]:
     return [Query.subset(s) for s in (*design.U, *design.V)]
 
 
+def design_reduction(design: QueryDesign, fused: bool = False) -> tuple[list[int], int]:
+    """:func:`combine_answers` as a :attr:`~fedattr.secagg.QueryGroup.reduce` entry (signs,
+    divisor): SA then sums the answers as they arrive, in the same order and with the same
+    float64 operations, so the estimate has the same bits."""
+    if fused:
+        return [1], 1
+    return [1] * design.M + [-1] * design.M, design.M
+
+
 def combine_answers(
     design: QueryDesign, answers: Sequence[np.ndarray], fused: bool = False
 ) -> np.ndarray:
@@ -44,12 +53,14 @@ def estimate_update(sa: SecureAggregator, design: QueryDesign, fused: bool = Fal
     Unbiased over accepted designs; the residual ``sum_j alpha_j Delta_j`` has trace covariance
     ``E[c | accepted] / (K-2) * sum_{j != i} ||Delta_j - mean_{-i}||^2``.
     """
-    (answer,) = sa.run_queries([QueryGroup([design_queries(design, fused)])])
+    group = QueryGroup([design_queries(design, fused)], reduce=[design_reduction(design, fused)])
+    (answer,) = sa.run_queries([group])
     if answer.results is None:
         if answer.missing:
             raise QueryFailed(answer.error or "members did not answer", answer.missing)
         raise QueryRefused(answer.error)
-    return combine_answers(design, answer.results, fused)
+    (estimate,) = answer.results
+    return estimate
 
 
 def predicted_error_trace(

@@ -22,7 +22,7 @@ from ..secagg.errors import QueryRefused
 from ..updates import add_update
 from .config import AttributionConfig
 from .design import DesignError, QueryDesign, draw_design, validate_parameters
-from .estimator import combine_answers, design_queries
+from .estimator import design_queries, design_reduction
 from .records import Estimate, RoundEstimates, RoundRecord
 from .scoring import ApplyUpdate, PairedScorer, Scorer
 from .statistics import STATISTICS, OnTarget, Statistic
@@ -151,20 +151,21 @@ class FedAttr:
                 plans.append((target, designs, [self._fused(d, sa) for d in designs]))
             if not plans:
                 break
+            # Each group's 2M answers summed into its estimate as they arrive.
             groups = [
-                QueryGroup([design_queries(d, f) for d, f in zip(ds, fs, strict=True)])
+                QueryGroup(
+                    [design_queries(d, f) for d, f in zip(ds, fs, strict=True)],
+                    reduce=[design_reduction(d, f) for d, f in zip(ds, fs, strict=True)],
+                )
                 for _, ds, fs in plans
             ]
 
-            def estimate(
-                g: int, chosen: int, results: list[np.ndarray], plans: list = plans
-            ) -> np.ndarray:
-                _, designs, fused = plans[g]
+            def estimate(_g: int, _chosen: int, results: list[np.ndarray]) -> np.ndarray:
                 # Kept in float32: every model it is read into computes in float32 or less
                 # (add_update casts it so), and a round holds K of them (0.3 GB for SmolLM2).
-                return combine_answers(designs[chosen], results, fused[chosen]).astype(np.float32)
+                (total,) = results
+                return total.astype(np.float32)
 
-            # Each group's 2M answers reduced to its estimate as soon as it is answered.
             answers = sa.run_queries(groups, combine=estimate)
             out.batches += 1
             pending = []

@@ -30,6 +30,44 @@ class QueryGroup:
     """
 
     alternatives: list[list[Query]]
+    reduce: list[tuple[list[int], int]] | None = None
+    """Optional linear reduction, one ``(signs, divisor)`` per alternative: the answered
+    alternative's results become the one array ``(sum_k signs[k] * result_k) / divisor``,
+    summed as the answers arrive (so the group holds its running sum and one answer, not all
+    its answers: 2M float64 copies of an update for a FedAttr estimate)."""
+
+
+class Reduction:
+    """The running sum of a :class:`QueryGroup` alternative's answers (see
+    :attr:`QueryGroup.reduce`); with no reduction, the answers themselves."""
+
+    def __init__(self, group: QueryGroup, alternative: int) -> None:
+        self.spec = None if group.reduce is None else group.reduce[alternative]
+        self.results: list[np.ndarray] = []
+        self.count = 0
+
+    def add(self, result: np.ndarray) -> None:
+        """Take the next answer (in query order)."""
+        if self.spec is None:
+            self.results.append(result)
+        else:
+            sign = self.spec[0][self.count]
+            if not self.results:
+                # A new array: an answer may still be held elsewhere (an answer tap).
+                self.results.append(result * sign if sign != 1 else result.copy())
+            elif sign == 1:
+                self.results[0] += result
+            elif sign == -1:
+                self.results[0] -= result
+            else:
+                self.results[0] += sign * result
+        self.count += 1
+
+    def done(self) -> list[np.ndarray]:
+        """Every answer, or the one reduced array."""
+        if self.spec is not None and self.results and self.spec[1] != 1:
+            self.results[0] = self.results[0] / self.spec[1]
+        return self.results
 
 
 @dataclass
@@ -79,6 +117,17 @@ def check_groups(groups: Sequence[QueryGroup]) -> None:
         for a, alternative in enumerate(group.alternatives):
             if not alternative:
                 raise SecAggError(f"run_queries: groups[{g}].alternatives[{a}] is empty")
+        if group.reduce is not None and (
+            len(group.reduce) != len(group.alternatives)
+            or any(
+                len(signs) != len(alt) or divisor < 1
+                for (signs, divisor), alt in zip(group.reduce, group.alternatives, strict=False)
+            )
+        ):
+            raise SecAggError(
+                f"run_queries: groups[{g}].reduce needs one (signs, divisor >= 1) per "
+                "alternative, one sign per query"
+            )
 
 
 def answer_group(group: QueryGroup, run_query: Callable[[Query], np.ndarray]) -> GroupAnswer:
@@ -91,20 +140,20 @@ def answer_group(group: QueryGroup, run_query: Callable[[Query], np.ndarray]) ->
     start = time.perf_counter()
     answer = GroupAnswer(results=None, chosen=None)
     for index, alternative in enumerate(group.alternatives):
-        results: list[np.ndarray] = []
+        results = Reduction(group, index)
         try:
             for query in alternative:
-                results.append(run_query(query))
+                results.add(run_query(query))
         except QueryRefused as exc:
             answer.error = str(exc)
-            if results:  # refused after part of the alternative ran: stop the group
+            if results.count:  # refused after part of the alternative ran: stop the group
                 break
             answer.refusals += 1
             continue
         except QueryFailed as exc:
             answer.error, answer.missing = str(exc), tuple(exc.missing)
             break
-        answer.results, answer.chosen = results, index
+        answer.results, answer.chosen = results.done(), index
         break
     answer.seconds = time.perf_counter() - start
     return answer

@@ -21,7 +21,7 @@ import torch
 
 from ..updates import UpdateLayout
 from .aggregator import SecureAggregator
-from .batches import Combine, GroupAnswer, QueryGroup, check_groups, combined
+from .batches import Combine, GroupAnswer, QueryGroup, Reduction, check_groups, combined
 from .errors import QueryFailed, QueryRefused, SecAggError
 from .fixedpoint import FixedPointCodec
 from .queries import QueryRecord
@@ -216,8 +216,8 @@ class RemoteMaskingServer(SecureAggregator):
         queries = [q for _, planned in plans for q, _ in planned]
         outcomes = self._exchange(queries) if queries else {}
         share = (time.perf_counter() - start) / max(1, len(queries))
-        for g, (answer, planned) in enumerate(plans):
-            results: list[np.ndarray] = []
+        for g, ((answer, planned), group) in enumerate(zip(plans, groups, strict=True)):
+            results = Reduction(group, answer.chosen or 0)
             for q, denominator in planned:
                 outcome = outcomes[q.query_id]
                 try:
@@ -230,7 +230,7 @@ class RemoteMaskingServer(SecureAggregator):
                     break
                 assert outcome.total is not None and self._round is not None
                 total = self.codec.decode(outcome.total)
-                results.append(total / denominator)
+                results.add(total / denominator)
                 self.log.append(
                     QueryRecord(
                         self._round,
@@ -246,8 +246,8 @@ class RemoteMaskingServer(SecureAggregator):
                 )
                 for tap in self.answer_taps:
                     tap(self.log[-1], total)
-            if answer.chosen is not None and len(results) == len(planned):
-                answer.results = results
+            if answer.chosen is not None and results.count == len(planned):
+                answer.results = results.done()
                 combined(g, answer, combine)  # decoded a group at a time, reduced at once
             else:
                 answer.chosen = None
