@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import Any, ClassVar
 
@@ -223,7 +223,7 @@ class CalibratedStatistic(Statistic):
     def score_round(
         self,
         estimates: RoundEstimates,
-        updates: list,
+        updates: Sequence[Any],
         reference: Any,
         scorer: Any,
         apply: ApplyUpdate,
@@ -265,7 +265,7 @@ class CalibratedStatistic(Statistic):
                     [reference],
                     (
                         apply(reference, u if step == 1.0 else scale_update(u, step))
-                        for u in [*updates, *extra]
+                        for u in chain(updates, extra)  # an undone update made as it is read
                     ),
                 ),
             )
