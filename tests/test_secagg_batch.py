@@ -306,8 +306,9 @@ def _summed(g, chosen, results):
     return sum(results) + 1000.0 * g + 100.0 * chosen
 
 
-def _assert_combined(combined, plain):
-    for g, (c, p) in enumerate(zip(combined, plain, strict=True)):
+def _assert_one_array(answers, plain, expected):
+    """Each answered group is the one array ``expected(g, plain answer)``; all else as plain."""
+    for g, (c, p) in enumerate(zip(answers, plain, strict=True)):
         assert (c.chosen, c.refusals, c.missing, c.error) == (
             p.chosen,
             p.refusals,
@@ -318,7 +319,11 @@ def _assert_combined(combined, plain):
             assert c.results is None
             continue
         (only,) = c.results  # one array per answered group, reduced as it was answered
-        assert np.array_equal(only, _summed(g, p.chosen, p.results))
+        assert np.array_equal(only, expected(g, p))
+
+
+def _assert_combined(combined, plain):
+    _assert_one_array(combined, plain, lambda g, p: _summed(g, p.chosen, p.results))
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -340,22 +345,14 @@ def _signed(groups):
 
 
 def _assert_reduced(reduced, plain, groups):
-    for c, p, g in zip(reduced, plain, groups, strict=True):
-        assert (c.chosen, c.refusals, c.missing, c.error) == (
-            p.chosen,
-            p.refusals,
-            p.missing,
-            p.error,
-        )
-        if p.results is None:
-            assert c.results is None
-            continue
-        signs, divisor = g.reduce[p.chosen]
+    def linear(g, p):
+        signs, divisor = groups[g].reduce[p.chosen]
         want = p.results[0] * signs[0]
         for sign, r in zip(signs[1:], p.results[1:], strict=True):
             want = want + sign * r
-        (only,) = c.results  # summed as the answers arrived
-        assert np.array_equal(only, want / divisor)
+        return want / divisor
+
+    _assert_one_array(reduced, plain, linear)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

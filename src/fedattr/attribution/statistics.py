@@ -271,6 +271,8 @@ class CalibratedStatistic(Statistic):
             )
         )
         ref_obs = next(reads)
+        # Before the candidates are read: its float64 temporaries then sit beside no change.
+        weights = taper_weights(scorer, ref_obs, self.config.taper, self.config.taper_from)
         # Each reading made into its change as soon as it is read and then dropped: a round
         # holds its changes, not its readings too (11 x 54 MB each at SmolLM2's 275 contexts).
         spread, changes = [], []
@@ -281,7 +283,6 @@ class CalibratedStatistic(Statistic):
             del obs
         del reads, updates, extra  # every model is read: the undone updates are not kept
         middle = changes.pop() if center is not None else None
-        weights = taper_weights(scorer, ref_obs, self.config.taper, self.config.taper_from)
         display = self.calibrated.add_round(
             estimates.round,
             estimates.participants,
