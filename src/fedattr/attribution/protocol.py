@@ -36,6 +36,14 @@ class _Target:
     attempts: int = 0
 
 
+def _float32_estimate(_group: int, _chosen: int, results: list[np.ndarray]) -> np.ndarray:
+    """A group's summed answers (its :func:`~.estimator.design_reduction`) as the estimate kept:
+    float32, since every model it is read into computes in float32 or less (add_update casts it
+    so), and a round holds K of them (0.3 GB for SmolLM2)."""
+    (total,) = results
+    return total.astype(np.float32)
+
+
 class FedAttr:
     """Runs FedAttr over rounds and accumulates per-client differential scores."""
 
@@ -159,14 +167,7 @@ class FedAttr:
                 )
                 for _, ds, fs in plans
             ]
-
-            def estimate(_g: int, _chosen: int, results: list[np.ndarray]) -> np.ndarray:
-                # Kept in float32: every model it is read into computes in float32 or less
-                # (add_update casts it so), and a round holds K of them (0.3 GB for SmolLM2).
-                (total,) = results
-                return total.astype(np.float32)
-
-            answers = sa.run_queries(groups, combine=estimate)
+            answers = sa.run_queries(groups, combine=_float32_estimate)
             out.batches += 1
             pending = []
             for (target, designs, fused), answer in zip(plans, answers, strict=True):
