@@ -14,7 +14,9 @@
 # Sized from an H100 (2026-11-27): with 128 probes, the paper statistic as a variant and
 # pairwise masking, a round took about 2 minutes beside 18 s of training (28 s of it writing
 # the checkpoint: each client's vocabulary-sized change, per reading), and the r = 0 run reached
-# round 4 in 9 minutes. Here: 64 probes, 100 records a client, 128-token documents, two-server
+# round 4 in 9 minutes. Here: each owner's own documents read as its probes (20 a watermarked
+# client; at r = 0 each owner watermarks 20 held-out records), 100 records a client, 128-token
+# documents, two-server
 # SA on the CPU (0.08 s a query with 8 threads there; masks drawn on the GPU pay torch.compile's
 # first call), no paper variant, no rank check (attribution.null_keys=0: a check of the exact
 # tail, not part of the verdict).

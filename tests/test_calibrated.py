@@ -597,20 +597,31 @@ def test_reread_rebuilds_a_simulations_keys_and_gives_its_verdicts_again(tiny_ca
     from fedattr.experiments.main import run_or_reuse
     from fedattr.watermarks.tail import law_from_dict
 
-    for few_cells in ("shifted-keys", "bound"):
+    for few_cells, probes in [
+        ("shifted-keys", "held-out"),
+        ("shifted-keys", "documents"),
+        ("bound", "documents"),
+    ]:
         sets = small_overrides(
-            tiny_cache, "attribution.null_keys=0", f"attribution.few_cells={few_cells}"
+            tiny_cache,
+            "attribution.null_keys=0",
+            f"attribution.few_cells={few_cells}",
+            f"watermark.probes={probes}",
         )
-        folder = tmp_path / few_cells
+        folder = tmp_path / f"{few_cells}-{probes}"
         run_or_reuse(load(RunConfig, None, sets), folder)
         saved = json.loads((folder / "results.json").read_text())
         keys = simulated_keys(folder, saved)
         if few_cells == "bound":
             assert keys is None
             continue
-        ((part, desc),) = saved["key_laws"].items()
-        law, changes = law_from_dict(desc), load_file(str(folder / "changes.safetensors"))
+        # held-out texts: one part every owner reads; documents: a part per owner, its own
+        parts = saved["key_laws"]
+        assert len(parts) == (1 if probes == "held-out" else len(keys))
+        changes = load_file(str(folder / "changes.safetensors"))
         for owner, rows in saved["by_statistic"].items():
+            part = next(iter(parts)) if probes == "held-out" else owner
+            law = law_from_dict(parts[part])
             for cid, row in rows.items():
                 W = changes[f"{cid}/{part}"].double()
                 value = float(W.reshape(keys[owner].shape)[keys[owner]].sum())
@@ -641,3 +652,24 @@ def test_cellwise_median_is_the_sorted_middle(k, dtype):
     expected = s[k // 2] if k % 2 else 0.5 * (s[k // 2 - 1] + s[k // 2])
     for block in (1, 7, 3 * k, 10**6):
         assert torch.equal(_median(half, block=block), expected)
+
+
+def test_reread_reads_runs_whose_owners_read_parts_of_their_own(tiny_cache, tmp_path):
+    """FK's owners each read a part named as the owner: ``--reread`` reads every owner's own
+    part and gives the run's verdicts (refused before: several key laws)."""
+    import json
+
+    from conftest import small_overrides
+    from fedattr.experiments.calibration import reread_run
+    from fedattr.experiments.main import run_or_reuse
+
+    sets = small_overrides(
+        tiny_cache, "watermark.kind=fk", "watermark.r=2", "attribution.null_keys=0"
+    )
+    run_or_reuse(load(RunConfig, None, sets), tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["key_laws"]) == 2
+    again = reread_run(tmp_path)
+    for old, new in zip(saved["clients"], again["clients"], strict=True):
+        assert (new["statistic"], new["tail"]) == (old["statistic"], old["tail"])
+        assert new["log10_p"] == pytest.approx(old["log10_p"], abs=1e-3)

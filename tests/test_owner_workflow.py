@@ -68,9 +68,12 @@ def test_deployed_workflow_gives_the_simulations_verdicts(
     scoring sums rounds whose cross-talk was kept round by round (it does not de-mix them
     across rounds), so the simulation is read the same way (``across_rounds = keep``)."""
     key, wm = owner_files
+    # Both read the held-out texts: the same texts on both sides (reading the owner's own
+    # documents: test_an_owner_scores_a_documents_run_on_its_own_documents).
     common = _small(
         tiny_cache,
         f"watermark.documents={wm}",
+        "watermark.probes=held-out",
         "watermark.r=2",
         f"attribution.decorrelate={str(decorrelate).lower()}",
         "attribution.across_rounds=keep",
@@ -175,3 +178,29 @@ def test_damaged_export_json_is_one_line_naming_the_file(tmp_path):
     (tmp_path / "rounds" / "run.json").write_text("[")
     with pytest.raises(RoundFolderError, match=r"run\.json' is damaged"):
         run_config_of(round_dir)
+
+
+def test_an_owner_scores_a_documents_run_on_its_own_documents(
+    tiny_cache, owner_files, tmp_path, capsys
+):
+    """``watermark.probes = "documents"``: the owner reads its own watermarked documents (first
+    occurrences), so ``--texts`` is required; with them the round is scored and attributed."""
+    key, wm = owner_files
+    run = tmp_path / "run"
+    sets = _small(
+        tiny_cache,
+        f"watermark.documents={wm}",
+        "watermark.probes=documents",
+        "fl.rounds=1",
+        "attribution.scoring=owner",
+    )
+    assert main(["run", "--out", str(run), *_args(*sets)]) == 0
+    (folder,) = sorted((run / "rounds").glob("round-*"))
+    capsys.readouterr()
+    assert main(["owner", "score", "--key", str(key), str(folder)]) == 2
+    assert "--texts: this run reads each owner's own watermarked documents" in (
+        capsys.readouterr().err
+    )
+    assert main(["owner", "score", "--key", str(key), "--texts", str(wm), str(folder)]) == 0
+    assert main(["attribute", str(run)]) == 0
+    assert json.loads((run / "results.json").read_text())["clients"]

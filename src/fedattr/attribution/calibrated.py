@@ -1209,22 +1209,25 @@ class CalibratedNull:
                 "RUN_DIR: the run was not read with the calibrated statistic (no key laws in "
                 "its results.json); there is nothing to read again"
             )
-        if len(laws) != 1:
+        # One law: every owner reads the same part. Several: each owner reads its own part,
+        # named as the owner (FK's entities, KGW read on each owner's documents).
+        unread = [o for o in results["by_statistic"] if len(laws) > 1 and o not in laws]
+        if unread:
             raise UserError(
-                f"RUN_DIR: the run's owners read {len(laws)} key laws ({', '.join(laws)}); "
-                "reading again needs one (results.json does not say which owner reads which)"
+                f"RUN_DIR: the run's owners read {len(laws)} key laws ({', '.join(laws)}), none "
+                f"named as owner {unread[0]}; results.json does not say which it read"
             )
-        part, desc = next(iter(laws.items()))
-        law = law_from_dict(desc)
         null = cls(
             float(results["alpha"]),
             null_keys=int(results.get("null_keys") or 0),
             seed=seed,
             name_uncalibrated=name_uncalibrated,
         )
-        null.laws = {part: dict(desc)}
+        null.laws = {part: dict(desc) for part, desc in laws.items()}
         uncalibrated = set(results.get("uncalibrated", []))
         for owner, rows in results["by_statistic"].items():
+            part = next(iter(laws)) if len(laws) == 1 else owner
+            law = law_from_dict(laws[part])
             null.parts[owner], null.valid[owner] = part, owner not in uncalibrated
             for cid, row in rows.items():
                 W = changes.get(f"{cid}/{part}")

@@ -440,7 +440,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     osc.add_argument("--key", required=True, help="the owner's KGW key file")
     osc.add_argument("rounds", nargs="+", metavar="ROUND_DIR", help="<run>/rounds/round-NNN")
     osc.add_argument(
-        "--texts", help="texts to read (.jsonl/.json); default: the run's held-out detection texts"
+        "--texts",
+        help="texts to read (.jsonl/.json); default: the run's held-out detection texts. A run "
+        "with watermark.probes=documents reads the owner's own watermarked documents: required",
     )
     osc.add_argument("--count", type=int, default=128, help="texts used with --texts")
     osc.set_defaults(func=_cmd_owner_score)

@@ -127,9 +127,11 @@ def _saved_changes(run: Path) -> Path:
 def simulated_keys(folder: str | Path, results: dict) -> dict | None:
     """The owners' keys of a finished simulation whose owners fedattr played (KGW reading, keys
     drawn from ``watermark.key_seed``), rebuilt from its ``config.json`` as green masks over its
-    probe contexts, so that reading it again gives the verdicts the run gave (the shifted-key
-    test needs the key). ``None`` where the run's keys are not the simulation's to rebuild: the
-    synthetic bed, FK, owners' key files, owner scoring, ``few_cells = "bound"``."""
+    probe contexts (each owner's over its own documents' where the run read them: written again
+    by the teacher, deterministic in the config), so that reading it again gives the verdicts
+    the run gave (the shifted-key test needs the key). ``None`` where the run's keys are not
+    the simulation's to rebuild: the synthetic bed, FK, owners' key files, owner scoring,
+    ``few_cells = "bound"``."""
     laws = results.get("key_laws") or {}
     if not any(law.get("kind") == "row-subsets" and law.get("m", 1) > 1 for law in laws.values()):
         return None
@@ -146,14 +148,26 @@ def simulated_keys(folder: str | Path, results: dict) -> dict | None:
         or att.few_cells != "shifted-keys"
     ):
         return None
-    from ..fl.federation import detection_records
+    from ..fl.federation import build_federation, detection_records
     from ..models.loading import load_model
     from ..models.lora import load_state
     from ..models.text import encode_examples
+    from ..watermarks.documents import KGWDocumentScorer
     from ..watermarks.radioactivity import KGWReadingScorer
     from ..watermarks.registry import WATERMARKS
 
-    model, tokenizer = load_model(cfg.model, lambda _m: None)
+    def _quiet(_m: str) -> None:
+        pass
+
+    model, tokenizer = load_model(cfg.model, _quiet)
+    if wm.reads_documents:
+        # Each owner's key over its own documents' contexts: the documents are written again
+        # (deterministic in the config; the teacher is the run's costliest step after training).
+        fed = build_federation(cfg.data, wm, cfg.fl.K, cfg.fl.seed, model, tokenizer, _quiet)
+        docs = KGWDocumentScorer(
+            model, tokenizer, fed.owner_docs, fed.owners, load_state, max_len=cfg.data.max_len
+        )
+        return {o: r.green[o].cpu() for o, r in docs.readers.items()}
     examples = encode_examples(tokenizer, detection_records(cfg.data, wm), cfg.data.max_len)
     owners = WATERMARKS["kgw"].owners(wm, len(tokenizer), cfg.fl.K, [])
     scorer = KGWReadingScorer(model, examples, owners, load_state, pad_id=tokenizer.pad_token_id)

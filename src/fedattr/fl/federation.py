@@ -35,6 +35,9 @@ class Federation:
     wm_docs: dict[int, int]
     doc_target_share: dict[int, float] = field(default_factory=dict)
     """FK: share of each watermarked client's documents stating every target attribute."""
+    owner_docs: dict[str, list[Record]] = field(default_factory=dict)
+    """Owner name -> the documents it watermarked: its clients' (and, read as probes with
+    ``watermark.probes = "documents"``, held-out records it watermarked when it has no client)."""
 
     def truth(self, K: int) -> dict[int, bool]:
         """Client id -> watermarked (the ground truth of the experiment)."""
@@ -47,6 +50,8 @@ class Federation:
             "watermarked_docs": {str(c): n for c, n in self.wm_docs.items()},
             "detect_prompts": len(self.detect_prompts),
         }
+        if self.owner_docs:
+            out["owner_documents"] = {o: len(d) for o, d in self.owner_docs.items()}
         if self.doc_target_share:
             out["doc_target_share"] = {str(c): v for c, v in self.doc_target_share.items()}
             out["entities"] = {
@@ -121,6 +126,7 @@ def build_federation(
     owners = kind.owners(wm, len(tokenizer), len(clients), texts)
     names = sorted(owners)
     owner_of, wm_docs, share = {}, {}, {}
+    owner_docs: dict[str, list[Record]] = {o: [] for o in names}
     for k, client in enumerate(clients):
         owner = names[k % len(names)]
         shard = shards[client]
@@ -135,5 +141,27 @@ def build_federation(
         shards[client] = docs + shard[n:]
         owner_of[client] = owner
         wm_docs[client] = len(docs)
+        # read once each (clients drawing from one owner's corpus file may share documents)
+        owner_docs[owner].extend(d for d in docs if d not in owner_docs[owner])
+    if wm.reads_documents:
+        # An owner no client trained on still holds a corpus to read: as many held-out records
+        # as a watermarked client's share, watermarked under its key (no client sees them).
+        n = max(1, round(wm.ratio * len(records) / K))
+        idle = [o for o in names if not owner_docs[o]]
+        for k, owner in enumerate(idle):
+            source = [detect[(k * n + j) % len(detect)] for j in range(n)]
+            docs, _ = kind.documents(
+                wm,
+                model,
+                tokenizer,
+                owner,
+                owners[owner],
+                None,
+                source,
+                n,
+                seed * 1000 + K + k,
+                say,
+            )
+            owner_docs[owner] = docs
     prompts = [format_prompt(tokenizer, r) for r in detect]
-    return Federation(shards, owner_of, owners, prompts, list(detect), wm_docs, share)
+    return Federation(shards, owner_of, owners, prompts, list(detect), wm_docs, share, owner_docs)

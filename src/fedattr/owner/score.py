@@ -68,6 +68,12 @@ class OwnerScorer:
             f"the run's model (model.preset={cfg.model.preset})",
             "score with the key made for this run's model's tokenizer",
         )
+        documents = cfg.watermark.reads_documents
+        if documents and texts is None:
+            raise UserError(
+                "--texts: this run reads each owner's own watermarked documents "
+                "(watermark.probes=documents); give yours (.jsonl/.json)"
+            )
         records = list(texts) if texts is not None else detection_records(cfg.data, cfg.watermark)
         model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
         server, _ = make_strategy(cfg.fl, cfg.lora)
@@ -81,6 +87,7 @@ class OwnerScorer:
             load_state,
             pad_id=tokenizer.pad_token_id,
             stack=stack,
+            first_only=documents,  # a key's own texts: first occurrences only
         )
 
     def score(self, folder: str | Path, manifest: dict | None = None) -> Path:

@@ -330,9 +330,9 @@ def run_experiment(
 
     background: ThreadPoolExecutor | None = None
 
-    def scorer_for(detector: Detector, reader: Any = model) -> Any:
+    def scorer_for(detector: Detector, reader: Any = model, probes: str | None = None) -> Any:
         setup = DetectionSetup(
-            config=wm,
+            config=wm if probes is None else dataclasses.replace(wm, probes=probes),
             model=reader,
             tokenizer=tokenizer,
             owners=fed.owners,
@@ -341,6 +341,7 @@ def run_experiment(
             load_state=load_state,
             max_len=cfg.data.max_len,
             stack=candidate_stacker(reader),
+            owner_documents=fed.owner_docs,
         )
         return kind.scorer(setup, detector)
 
@@ -373,9 +374,9 @@ def run_experiment(
     if cfg.baselines:
         with timing.measure("baselines_s"):
             # FLForensics reads probes and the statistic under references (random keys,
-            # decoys): the reading detector offers both, a greedy one may not.
+            # decoys): the held-out reading offers both; a greedy or documents reader does not.
             complete = isinstance(scorer, ProbeScorer) and isinstance(scorer, KeyStatisticScorer)
-            probe = scorer if complete else scorer_for("reading")
+            probe = scorer if complete else scorer_for("reading", probes="held-out")
             # Direct reads its per-round z as the paper's statistic does: FedAttr's null when
             # that is one, else (calibrated FedAttr) the scorer's own (empirical for FK).
             fedattr_null = attribution[0].fedattr.null

@@ -57,6 +57,14 @@ class WatermarkConfig:
     fk_answer_tokens: int = 24
     detect_prompts: int = 128
     """Held-out detection records: prompts to generate from (greedy) or texts to read."""
+    probes: Literal["documents", "held-out"] = "documents"
+    """What the KGW reading detector reads (FK and the greedy detectors read their own probes).
+    ``documents``: each owner's own watermarked documents (those its clients were given; an owner
+    with no client watermarks as many held-out records, which no client is given), read only
+    with that owner's key, at the first position of each previous token in a document (a later
+    one could copy in context a green token seen after it): a model fine-tuned on the documents
+    predicts their text, as in the radioactivity tests of Sander et al. (2024). ``held-out``:
+    the held-out clean records, every owner's key over the same contexts (before 2026-11-27)."""
     detect_max_new_tokens: int = 48
     dedupe: bool = True
     scheme: str = "fedattr"
@@ -69,6 +77,11 @@ class WatermarkConfig:
     documents: str = ""
     """An owner's watermarked corpus (``fedattr owner watermark``, .jsonl/.json): watermarked
     clients take their documents from it (a seeded draw per client) instead of the teacher."""
+
+    @property
+    def reads_documents(self) -> bool:
+        """Whether the detector reads each owner's own documents (``probes``: KGW reading)."""
+        return self.probes == "documents" and self.kind == "kgw" and self.detector == "reading"
 
     def __post_init__(self) -> None:
         # kind and scheme name registries (WATERMARKS, kgw.SCHEMES), which plugins may extend.

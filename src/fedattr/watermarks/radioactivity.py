@@ -69,6 +69,18 @@ class KGWModelScorer:
         return {name: det.score(seqs).z for name, det in self.detectors.items()}
 
 
+def _first_occurrences(ids: Sequence[int], positions: Sequence[int]) -> list[int]:
+    """The positions whose token (the previous token of what they predict) is at no earlier
+    position of ``positions``."""
+    seen: set[int] = set()
+    kept = []
+    for t in positions:
+        if ids[t] not in seen:
+            seen.add(ids[t])
+            kept.append(t)
+    return kept
+
+
 class _ReadBatch(NamedTuple):
     """One probe batch of :class:`KGWReadingScorer`: padded ids and mask, the scored
     positions as flat indices into them, and each scored position's context group."""
@@ -114,11 +126,18 @@ class KGWReadingScorer:
         batch_size: int = 16,
         stack: Callable[[object, Sequence[dict]], AbstractContextManager] | None = None,
         pass_bytes: int = 1 << 30,
+        first_only: bool = False,
     ) -> None:
         """``stack(model, states)``: a context in which one forward pass over candidate-major
         rows runs each state's parameters (:func:`fedattr.models.lora.stacked_candidates`);
         with it :meth:`observe_many` reads several candidates per pass, as many as keep one
-        pass's float32 probabilities within ``pass_bytes``."""
+        pass's float32 probabilities within ``pass_bytes``.
+
+        ``first_only``: read a position only if its previous token ``x`` precedes no earlier
+        read position of the same text. For texts written under a key (an owner's documents),
+        the tokens after an earlier ``x`` are green under ``x``'s list, and a model can copy
+        them in context: at a first occurrence the text before it was written without that
+        list, so what any key-free model predicts there is independent of it."""
         if not schemes:
             raise ValueError("KGWReadingScorer: no owner keys to test (watermark.r = 0?)")
         vocabs = {s.vocab_size for s in schemes.values()}
@@ -131,31 +150,34 @@ class KGWReadingScorer:
         self.vocab = vocabs.pop()
         # Read each example's loss positions: position t predicts token t + 1 after ids[t].
         self.examples: list[Example] = []
-        spans: list[tuple[int, int]] = []
+        reads: list[list[int]] = []  # each text's read positions
         for ex in examples:
             scored = [t for t in range(len(ex.input_ids) - 1) if ex.labels[t + 1] != -100]
             if scored:
+                at = list(range(scored[0], len(ex.input_ids) - 1))
+                if first_only:
+                    at = _first_occurrences(ex.input_ids, at)
                 self.examples.append(ex)
-                spans.append((scored[0], len(ex.input_ids) - 1))
+                reads.append(at)
         if not self.examples:
             raise ValueError("KGWReadingScorer: no texts to read (watermark.detect_prompts)")
-        pairs = zip(self.examples, spans, strict=True)
-        prevs = [x for ex, (a, b) in pairs for x in ex.input_ids[a:b]]
+        pairs = zip(self.examples, reads, strict=True)
+        prevs = [ex.input_ids[t] for ex, at in pairs for t in at]
         contexts, inverse = torch.unique(torch.tensor(prevs), return_inverse=True)
         self.contexts = contexts
         self.positions = len(prevs)
-        groups = torch.split(inverse, [b - a for a, b in spans])
+        groups = torch.split(inverse, [len(at) for at in reads])
         # Batches of similar length (less padding), each with its scored positions as flat
         # indices into the padded batch and their context groups, built once for every read.
         # A probe's last token is not fed: no read position follows it (position t predicts
         # token t + 1), and a causal model reads the earlier positions the same without it.
-        texts = [ex.input_ids[:b] for ex, (_, b) in zip(self.examples, spans, strict=True)]
+        texts = [ex.input_ids[: at[-1] + 1] for ex, at in zip(self.examples, reads, strict=True)]
         self._batches: list[_ReadBatch] = []
         for idx in length_batches([len(t) for t in texts], batch_size):
             ids, mask = padded([texts[i] for i in idx], pad_id)
             width = ids.shape[1]
             rows = torch.cat(
-                [torch.arange(spans[i][0], spans[i][1]) + k * width for k, i in enumerate(idx)]
+                [torch.tensor(reads[i], dtype=torch.long) + k * width for k, i in enumerate(idx)]
             )
             self._batches.append(_ReadBatch(ids, mask, rows, torch.cat([groups[i] for i in idx])))
         self.green = {name: s.green_masks(contexts.tolist()) for name, s in schemes.items()}

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..data.records import Record
 from ..models.text import encode_examples
+from .documents import KGWDocumentScorer
 from .fictitious import DOMAINS, FictitiousEntity, make_entities, target_share, template_documents
 from .keys import load_key
 from .kgw import SCHEMES
@@ -52,6 +53,8 @@ class DetectionSetup:
     stack: Callable[[Any, Sequence[Mapping]], AbstractContextManager] | None = None
     """A context running several candidates' parameters in one forward pass, for detectors
     that can use it (:func:`fedattr.models.lora.candidate_stacker`)."""
+    owner_documents: Mapping[str, Sequence[Record]] | None = None
+    """Owner name -> its watermarked documents (``watermark.probes = "documents"``)."""
 
 
 class WatermarkKind:
@@ -74,14 +77,15 @@ class WatermarkKind:
         tokenizer: Any,
         owner: str,
         secret: Any,
-        client: int,
+        client: int | None,
         shard: list[Record],
         n: int,
         seed: int,
         say: Say,
     ) -> tuple[list[Record], float | None]:
         """``n`` of ``client``'s records replaced by its owner's documents (some may be dropped),
-        and the share of them carrying every target (FK) or ``None``."""
+        and the share of them carrying every target (FK) or ``None``. ``client`` is ``None``
+        for an owner's documents that no client is given (its probes, ``watermark.probes``)."""
         raise NotImplementedError
 
     def scorer(self, setup: DetectionSetup, detector: Detector) -> Any:
@@ -112,9 +116,11 @@ class KGW(WatermarkKind):
     def documents(self, wm, model, tokenizer, owner, secret, client, shard, n, seed, say):
         if wm.documents:
             docs = owner_documents(wm.documents, n, seed)
-            say(f"client {client}: {len(docs)} documents from the owner's corpus {wm.documents}")
+            whom = f"client {client}" if client is not None else f"{owner} (no client)"
+            say(f"{whom}: {len(docs)} documents from the owner's corpus {wm.documents}")
             return docs, None
-        say(f"teacher: watermarking {n} of client {client}'s {len(shard)} documents ({owner})")
+        whose = f"client {client}'s" if client is not None else "held-out (no client's)"
+        say(f"teacher: watermarking {n} of {len(shard)} {whose} documents ({owner})")
         docs = watermark_records(
             model,
             tokenizer,
@@ -140,6 +146,18 @@ class KGW(WatermarkKind):
                 s.load_state,
                 max_new_tokens=wm.detect_max_new_tokens,
                 dedupe=wm.dedupe,
+            )
+        if wm.reads_documents:
+            if s.owner_documents is None:
+                raise ValueError("watermark.probes=documents: the owners' documents are not given")
+            return KGWDocumentScorer(
+                s.model,
+                s.tokenizer,
+                s.owner_documents,
+                s.owners,
+                s.load_state,
+                max_len=s.max_len,
+                stack=s.stack,
             )
         examples = encode_examples(s.tokenizer, s.detect_records, s.max_len)
         return KGWReadingScorer(
