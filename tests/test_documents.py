@@ -16,6 +16,7 @@ from fedattr.watermarks.documents import KGWDocumentScorer
 from fedattr.watermarks.kgw import KGWScheme
 from fedattr.watermarks.radioactivity import KGWReadingScorer, _first_occurrences
 from test_reading import _Tilted
+from test_reading_batches import _plain_read
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +50,7 @@ def test_first_only_reading_reads_each_previous_token_at_its_first_position(micr
     every = KGWReadingScorer(
         model, texts, {"kgw:a": KGWScheme(3, len(tok))}, lambda m, p: None, pad_id=tok.pad_token_id
     )
-    want = torch.zeros(len(scorer.contexts), scorer.vocab, dtype=torch.float64)
-    index = {int(x): i for i, x in enumerate(scorer.contexts)}
-    read = 0
-    with torch.no_grad():
-        for ex in texts:
-            ids = torch.tensor([ex.input_ids])
-            probs = torch.softmax(model(input_ids=ids).logits[0, :, : scorer.vocab].double(), -1)
-            start = next(t for t in range(len(ex.input_ids) - 1) if ex.labels[t + 1] != -100)
-            seen: set[int] = set()
-            for t in range(start, len(ex.input_ids) - 1):
-                if ex.input_ids[t] not in seen:
-                    seen.add(ex.input_ids[t])
-                    want[index[ex.input_ids[t]]] += probs[t]
-                    read += 1
+    want, read = _plain_read(model, scorer, first_only=True)
     assert scorer.positions == read < every.positions  # the texts repeat tokens
     assert torch.allclose(scorer.observe(None).double(), want, atol=1e-4)
 

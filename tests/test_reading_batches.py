@@ -92,19 +92,26 @@ def test_logits_of_another_shape_are_an_error_not_the_wrong_rows(micro, visible)
         logits_at(_Prefixed(model, visible), ids, torch.ones_like(ids), torch.tensor([0, 7]))
 
 
-def _plain_read(model, scorer: KGWReadingScorer) -> torch.Tensor:
+def _plain_read(
+    model, scorer: KGWReadingScorer, first_only: bool = False
+) -> tuple[torch.Tensor, int]:
     """A[x] by the definition: each text alone through the model, full softmax, positions
-    after each response token summed per previous token."""
+    after each response token summed per previous token (``first_only``: a token's later
+    positions in the same text skipped); and how many positions were read."""
     out = torch.zeros(len(scorer.contexts), scorer.vocab, dtype=torch.float64)
     index = {int(x): i for i, x in enumerate(scorer.contexts)}
+    read = 0
     with torch.no_grad():
         for ex in scorer.examples:
             ids = torch.tensor([ex.input_ids])
             probs = torch.softmax(model(input_ids=ids).logits[0, :, : scorer.vocab].double(), -1)
+            seen: set[int] = set()
             for t in range(len(ex.input_ids) - 1):
-                if ex.labels[t + 1] != -100:
+                if ex.labels[t + 1] != -100 and not (first_only and ex.input_ids[t] in seen):
+                    seen.add(ex.input_ids[t])
                     out[index[ex.input_ids[t]]] += probs[t]
-    return out
+                    read += 1
+    return out, read
 
 
 def test_reading_scorer_reads_what_each_text_alone_gives(micro):
@@ -119,7 +126,8 @@ def test_reading_scorer_reads_what_each_text_alone_gives(micro):
         pad_id=tok.pad_token_id,
         batch_size=7,
     )
-    want = _plain_read(model, scorer)
+    want, read = _plain_read(model, scorer)
+    assert read == scorer.positions
     got = scorer.observe(None)
     assert torch.allclose(got.double(), want, atol=1e-4)
     assert float(got.sum()) == pytest.approx(scorer.positions, rel=1e-5)

@@ -61,6 +61,12 @@ class OwnerScorer:
                 "(the calibrated statistic's); the run says "
                 f"{cfg.watermark.detector!r}"
             )
+        documents = cfg.watermark.reads_documents
+        if documents and texts is None:  # before the model is loaded
+            raise UserError(
+                "--texts: this run reads each owner's own watermarked documents "
+                "(watermark.probes=documents); give yours (.jsonl/.json)"
+            )
         self.key, self.name = key, f"kgw:{key.fingerprint}"
         model, tokenizer = load_model(cfg.model, say)
         key.check_tokenizer(
@@ -68,12 +74,6 @@ class OwnerScorer:
             f"the run's model (model.preset={cfg.model.preset})",
             "score with the key made for this run's model's tokenizer",
         )
-        documents = cfg.watermark.reads_documents
-        if documents and texts is None:
-            raise UserError(
-                "--texts: this run reads each owner's own watermarked documents "
-                "(watermark.probes=documents); give yours (.jsonl/.json)"
-            )
         records = list(texts) if texts is not None else detection_records(cfg.data, cfg.watermark)
         model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
         server, _ = make_strategy(cfg.fl, cfg.lora)

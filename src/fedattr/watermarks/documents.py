@@ -77,7 +77,6 @@ class KGWDocumentScorer:
         first = next(iter(self.readers.values()))
         self.vocab = first.vocab
         self._green_size = first._green_size
-        self.positions = sum(r.positions for r in self.readers.values())
 
     @property
     def batched(self) -> bool:
