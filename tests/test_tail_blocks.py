@@ -247,6 +247,42 @@ def test_spilled_sums_by_row_blocks_give_the_verdicts_of_the_sums_held_whole(tmp
     assert torch.equal(again.W[0]["probes"].tensor(), streamed.W[0]["probes"].tensor())
 
 
+def test_a_round_held_on_disk_gives_the_bits_of_the_round_held_in_memory(tmp_path):
+    """``CalibratedNull.hold``: a round read by rows keeps its changes as float32 files while
+    it is standardised; the sums are the same bits as from the changes in memory, and
+    ``release`` removes the round's files."""
+    rows, V, K = 40, 32, 6
+    scorer = _Keys(2, rows, V, 8, seed=11)
+    laws = scorer.key_laws()
+    targets = list(range(K))
+    designs = [own_update_design(t, targets) for t in targets]
+    gen = torch.Generator().manual_seed(3)
+    changes = [{"probes": torch.randn(rows * V, generator=gen)} for _ in targets]
+    nulls = {}
+    for held in (False, True):
+        null = CalibratedNull(null_keys=0, spill=tmp_path / str(held), block_cells=7 * V)
+        assert null.by_rows(targets, targets, designs, scorer)
+        given = [null.hold(1, str(k), c, laws) for k, c in enumerate(changes)] if held else changes
+        if held:
+            assert all(isinstance(g["probes"], ChangeRows) for g in given)
+            files = sorted((tmp_path / "True" / "round-1").iterdir())
+            assert len(files) == K
+            assert torch.equal(
+                given[2]["probes"].read(5, 9), changes[2]["probes"].view(rows, V)[5:9]
+            )
+        null.add_round(1, targets, targets, designs, given, None, scorer)
+        null.release(1)
+        nulls[held] = null
+    assert not (tmp_path / "True" / "round-1").exists()
+    for c in targets:
+        assert torch.equal(
+            nulls[True].W[c]["probes"].tensor(), nulls[False].W[c]["probes"].tensor()
+        )
+        assert nulls[True].values[c] == nulls[False].values[c]
+    # Without a spill folder nothing is written: the change is handed back as it is.
+    assert CalibratedNull().hold(1, "0", changes[0], laws)["probes"] is changes[0]["probes"]
+
+
 def test_changes_saved_by_row_blocks_read_as_safetensors_wrote_them(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -336,10 +372,15 @@ def test_a_short_run_with_spilled_sums_gives_the_verdicts_of_one_held_in_memory(
     from fedattr.pipeline.config import RunConfig
     from fedattr.pipeline.run import run_experiment
 
-    added = []
-    add = DiskRows.add
+    added, written = [], []
+    add, write = DiskRows.add, DiskRows.write
     monkeypatch.setattr(
         DiskRows, "add", lambda self, lo, rows: added.append(lo) or add(self, lo, rows)
+    )
+    monkeypatch.setattr(
+        DiskRows,
+        "write",
+        lambda self, rows, lo=0: written.append(self.path.parent.name) or write(self, rows, lo),
     )
     results = {}
     for spill in (False, True):
@@ -350,6 +391,8 @@ def test_a_short_run_with_spilled_sums_gives_the_verdicts_of_one_held_in_memory(
         result.write(tmp_path / str(spill))
         results[spill] = result.to_dict()
         assert bool(added) == spill  # the sums went to disk only when spilled
+        # ... and so did each round's changes while it was standardised
+        assert any(w.startswith("round-") for w in written) == spill
     held, spilled = results[False], results[True]
     assert held["flagged"] == spilled["flagged"]
     for a, b in zip(held["clients"], spilled["clients"], strict=True):

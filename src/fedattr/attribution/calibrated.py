@@ -52,6 +52,7 @@ same every round.
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -716,6 +717,49 @@ class CalibratedNull:
         mean's (the center's) change, so the caller can skip reading that model."""
         return cross_talk(participants, targets, designs, self.decorrelate) is not None
 
+    def by_rows(
+        self,
+        participants: Sequence[int],
+        targets: Sequence[int],
+        designs: Sequence[QueryDesign],
+        scorer: LinearKeyScorer,
+    ) -> bool:
+        """Whether :meth:`add_round` reads this round a block of rows at a time (spilled sums
+        and a detector that reads its owners by rows); a round de-mixed across rounds is kept
+        whole (:class:`DeMixer` holds it in memory)."""
+        return (
+            self.spill is not None
+            and isinstance(scorer, RowOwnerValues)
+            and (self.across_rounds != "demix" or self.decorrelates(participants, targets, designs))
+        )
+
+    def hold(self, round_id: int, name: str, change: Parts, laws: Mapping[str, KeyLaw]) -> dict:
+        """``change`` with each part over a row-centred law written to a float32 file in the
+        spill folder and read back by row blocks (:class:`ChangeRows`): a round read by rows
+        then holds none of its K changes whole (ten SmolLM2 changes are 1-4 GB). The values
+        read back are the float32 values written, so the round's result is the same bits.
+        :meth:`release` removes the round's files."""
+        if self.spill is None:
+            return dict(change)
+        folder = self.spill / f"round-{round_id}"
+        folder.mkdir(parents=True, exist_ok=True)
+        out: dict[str, Change] = {}
+        for part, c in change.items():
+            law = laws.get(part)
+            if not isinstance(law, RowSubsets) or not isinstance(c, torch.Tensor):
+                out[part] = c
+                continue
+            rows = c.numel() // law.cols
+            disk = DiskRows(folder / f"{name}-{part}.f32", rows, law.cols)
+            disk.write(c.reshape(rows, law.cols))
+            out[part] = ChangeRows(rows, law.cols, disk.rows_as_tensor)
+        return out
+
+    def release(self, round_id: int) -> None:
+        """Remove the files :meth:`hold` wrote for round ``round_id``."""
+        if self.spill is not None:
+            shutil.rmtree(self.spill / f"round-{round_id}", ignore_errors=True)
+
     @staticmethod
     def _exchangeable(round_id: int, scorer: LinearKeyScorer) -> bool:
         """Whether ``scorer``'s key is exchangeable with a random one in round ``round_id``."""
@@ -752,10 +796,7 @@ class CalibratedNull:
         if isinstance(scorer, OwnerKeys) and self.few_cells == "shifted-keys":
             for part in laws:
                 self.keys.update({o: G.cpu() for o, G in scorer.owner_keys(part).items()})
-        by_rows = self.across_rounds != "demix" or self.decorrelates(
-            participants, targets, designs
-        )  # a round de-mixed across rounds is kept whole (DeMixer holds it in memory)
-        if self.spill is not None and isinstance(scorer, RowOwnerValues) and by_rows:
+        if self.by_rows(participants, targets, designs, scorer):
             return self._add_round_by_rows(
                 round_id, participants, targets, designs, changes, center, scorer, weights
             )

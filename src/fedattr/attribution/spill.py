@@ -83,8 +83,15 @@ class DiskRows:
         x = np.asarray(x, dtype=np.float64).reshape(-1, self.cols)
         hi = lo + len(x)
         old = self._read(lo, hi)
-        total = np.ascontiguousarray((old + x).astype(np.float32))
-        view = total.data.cast("B")
+        total = (old + x).astype(np.float32)
+        self.write(total, lo)
+        return total.astype(np.float64) - old
+
+    def write(self, rows: torch.Tensor | np.ndarray, lo: int = 0) -> None:
+        """``W[lo : lo + len(rows)] = rows`` (stored in float32: float32 values exactly)."""
+        x = rows.detach().cpu().float().numpy() if isinstance(rows, torch.Tensor) else rows
+        data = np.ascontiguousarray(np.asarray(x, dtype=np.float32).reshape(-1, self.cols))
+        view = data.data.cast("B")
         fd = os.open(self.path, os.O_WRONLY)
         try:
             done, offset = 0, 4 * lo * self.cols
@@ -92,7 +99,10 @@ class DiskRows:
                 done += os.pwritev(fd, [view[done:]], offset + done)
         finally:
             os.close(fd)
-        return total.astype(np.float64) - old
+
+    def rows_as_tensor(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` as a float32 tensor (the stored values)."""
+        return torch.from_numpy(self._read(lo, hi))
 
     def tensor(self) -> torch.Tensor:
         """The whole matrix as a float32 tensor (memory: all of it)."""

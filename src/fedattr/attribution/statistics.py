@@ -275,25 +275,35 @@ class CalibratedStatistic(Statistic):
         weights = taper_weights(scorer, ref_obs, self.config.taper, self.config.taper_from)
         # Each reading made into its change as soon as it is read and then dropped: a round
         # holds its changes, not its readings too (11 x 54 MB each at SmolLM2's 275 contexts).
+        # A round read by rows keeps its changes on disk as they are made (spilled sums).
+        kept = self.calibrated
+        on_disk = kept.by_rows(estimates.participants, targets, designs, scorer)
+        laws = scorer.key_laws()
         spread, changes = [], []
         for k, obs in enumerate(reads):
             if isinstance(scorer, SpreadReporter) and k < len(updates):
                 spread.append(scorer.effective_contexts(ref_obs, obs))
-            changes.append(_per_step(scorer.change(ref_obs, obs), step))
+            change = _per_step(scorer.change(ref_obs, obs), step)
             del obs
+            changes.append(kept.hold(estimates.round, str(k), change, laws) if on_disk else change)
+            del change
         del reads, updates, extra  # every model is read: the undone updates are not kept
         middle = changes.pop() if center is not None else None
-        display = self.calibrated.add_round(
-            estimates.round,
-            estimates.participants,
-            targets,
-            designs,
-            changes,
-            middle,
-            scorer,
-            weights,
-            mean_row=not estimates.dropouts,
-        )
+        try:
+            display = kept.add_round(
+                estimates.round,
+                estimates.participants,
+                targets,
+                designs,
+                changes,
+                middle,
+                scorer,
+                weights,
+                mean_row=not estimates.dropouts,
+            )
+        finally:
+            if on_disk:
+                kept.release(estimates.round)
         each = (time.perf_counter() - t0) / max(1, len(targets))
         record = RoundRecord(
             estimates.round,
