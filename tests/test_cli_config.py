@@ -135,6 +135,9 @@ def test_unknown_detector_is_named():
     cpu = load(RunConfig, None, preset_overrides("smollm2-cpu"))
     assert cpu.model.preset == "smollm2-135m"
     assert (cpu.data.records, cpu.data.max_len, cpu.watermark.teacher_batch) == (500, 64, 32)
+    # ... with a watermark its few documents can teach: small steps, 2 epochs, LoRA lr 1e-3
+    train = cpu.fl.train
+    assert (train.batch_size, train.micro_batch_size, train.epochs, train.lr) == (4, 4, 2, 1e-3)
 
 
 def _literal_settings(cls, prefix=""):

@@ -182,16 +182,22 @@ _SMOLLM2 = [
 PRESET_OVERRIDES: dict[str, list[str]] = {
     "tiny": [],
     "smollm2": _SMOLLM2,
-    # SmolLM2 sized for a 2-core CPU (K = 10, T = 5 in about half an hour a run, one thread): 50
-    # records a client, 64-token sequences and documents, 32 probes; float32 (``auto``): an AVX2
-    # CPU emulates bfloat16 several times slower. Later settings win over the GPU preset's.
-    # Sized for a laptop's memory too: micro-batches of 4 (the same step, accumulated; 2.2 GB
+    # SmolLM2 sized for a 2-core CPU (K = 10, T = 5 in about 40 minutes a run on two threads):
+    # 50 records a client, 64-token sequences and documents, 32 probes; float32 (``auto``): an
+    # AVX2 CPU emulates bfloat16 several times slower. Later settings win over the GPU preset's.
+    # A learnable watermark at this size: steps of 4 records (12 a round instead of 3, at the
+    # same compute), 2 local epochs as the paper and a LoRA learning rate of 1e-3, so that a
+    # client's 7-10 documents move the model at all (at 2e-4 and one epoch, steps of 16, no
+    # watermarked client was named). Sized for a laptop's memory too: micro-batches of 4 (2.2 GB
     # at training's peak instead of 4.6) and the verdict's sums on disk, read by row blocks.
     "smollm2-cpu": [
         *_SMOLLM2,
         "data.records=500",
         "data.max_len=64",
+        "fl.train.batch_size=4",
         "fl.train.micro_batch_size=4",
+        "fl.train.epochs=2",
+        "fl.train.lr=1e-3",
         "watermark.detect_prompts=32",
         "watermark.doc_max_new_tokens=64",
         "watermark.teacher_batch=32",
