@@ -79,9 +79,9 @@ class AttributionConfig:
     :func:`~fedattr.attribution.calibrated.spread_weights`)."""
     spill: bool = False
     """``calibrated``: keep each client's summed change on disk (float32, a temporary folder)
-    rather than in memory (float64), and standardise each round a block of rows at a time, so
-    the verdict's memory does not grow with clients x contexts x vocabulary (issue #38;
-    :mod:`fedattr.attribution.spill`). Its p-values agree with the in-memory sums' to about
+    rather than in memory (float64), and standardise each round a block of rows at a time from
+    its changes, written to disk as they are read, so the verdict's memory does not grow with
+    clients x contexts x vocabulary (:mod:`fedattr.attribution.spill`). Its p-values agree with the in-memory sums' to about
     1e-6 in ``log10 p`` (float32 sums); the rank check draws its keys by rows (other keys of
     the same law)."""
     decorrelate: bool = True
