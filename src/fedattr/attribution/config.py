@@ -81,9 +81,9 @@ class AttributionConfig:
     """``calibrated``: keep each client's summed change on disk (float32, a temporary folder)
     rather than in memory (float64), and standardise each round a block of rows at a time from
     its changes, written to disk as they are read, so the verdict's memory does not grow with
-    clients x contexts x vocabulary (:mod:`fedattr.attribution.spill`). Its p-values agree with the in-memory sums' to about
-    1e-6 in ``log10 p`` (float32 sums); the rank check draws its keys by rows (other keys of
-    the same law)."""
+    clients x contexts x vocabulary (:mod:`fedattr.attribution.spill`). Its p-values agree
+    with the in-memory sums' to about 1e-6 in ``log10 p`` (float32 sums); the rank check draws
+    its keys by rows (other keys of the same law)."""
     decorrelate: bool = True
     """``calibrated``: when every participant is a target of the round, undo cross-talk with the
     known design matrix (each client's own statistic per key, from its estimates only)."""
