@@ -736,7 +736,7 @@ class CalibratedNull:
     def hold(self, round_id: int, name: str, change: Parts, laws: Mapping[str, KeyLaw]) -> dict:
         """``change`` with each part over a row-centred law written to a float32 file in the
         spill folder and read back by row blocks (:class:`ChangeRows`): a round read by rows
-        then holds none of its K changes whole (ten SmolLM2 changes are 1-4 GB). The values
+        then holds none of its K changes whole (a SmolLM2 round's eleven: 1.4 GB). The values
         read back are the float32 values written, so the round's result is the same bits.
         :meth:`release` removes the round's files."""
         if self.spill is None:

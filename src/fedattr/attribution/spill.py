@@ -106,7 +106,7 @@ class DiskRows:
 
     def tensor(self) -> torch.Tensor:
         """The whole matrix as a float32 tensor (memory: all of it)."""
-        return torch.from_numpy(self._read(0, self.rows))
+        return self.rows_as_tensor(0, self.rows)
 
 
 def save_changes(path: str | Path, changes: Mapping[str, torch.Tensor | DiskRows]) -> None:
