@@ -453,3 +453,26 @@ def test_audit_and_attribute_say_what_the_argument_is(tmp_path, capsys):
         assert f"RUN_DIR: '{missing}' does not exist; give a run folder" in _one_line(capsys)
         assert main([command, str(afile)]) == 2
         assert f"RUN_DIR: '{afile}' is a file; give a run folder" in _one_line(capsys)
+
+
+def test_a_varying_watermark_signal_changes_only_the_watermarked_clients():
+    """``synthetic.signal_cv``: each watermarked client's signal along s is scaled per round by
+    a draw of mean 1 (its own stream: every other part of the federation is unchanged); 0
+    keeps the same signal every round, and a negative value is one clear line."""
+    fixed, varied = (
+        SyntheticPool(SyntheticConfig(dim=64, seed=3)),
+        SyntheticPool(SyntheticConfig(dim=64, seed=3, signal_cv=0.8)),
+    )
+    s, scales = fixed.direction, []
+    for t in (1, 2, 3, 4):
+        a, b = fixed.updates(t), varied.updates(t)
+        for j in a:
+            diff = (b[j] - a[j]).double()
+            if j in fixed.watermarked:
+                scales.append(float(diff @ s) / 3.0 + 1.0)
+                assert torch.allclose(diff, (diff @ s) * s, atol=1e-5)  # along s only
+            else:
+                assert torch.equal(a[j], b[j])
+    assert len(set(round(x, 4) for x in scales)) == len(scales) and min(scales) > 0
+    with pytest.raises(ValueError, match=r"synthetic\.signal_cv"):
+        SyntheticConfig(signal_cv=-0.1)

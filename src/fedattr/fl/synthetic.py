@@ -4,7 +4,7 @@ Model: parameters ``w`` in R^dim, watermark detector ``Score(w) = <s, w>`` for a
 vector ``s``. In round t client j's update is
 
     Delta_j^t = drift * g_t + common * c_t + heterogeneity * h_j + noise * xi_j^t
-                + signal * 1[j watermarked] * s
+                + signal * v_j^t * 1[j watermarked] * s
 
 with ``g_t`` a shared learning direction orthogonal to ``s`` (what all clients learn from the
 task), ``xi_j^t ~ N(0, I)`` (client-specific; its component along ``s`` is N(0, 1), so
@@ -13,7 +13,10 @@ model (both 0 by default): ``c_t ~ N(0, I)``, a shared direction NOT orthogonal 
 projection on the detection key is one random draw per round, the same for every client, as
 the round's common learning direction is on a real model), and ``h_j ~ N(0, I)``, a persistent
 per-client direction (heterogeneous data: the same every round, so Stouffer accumulates its
-projection). The pool submits every update to secure aggregation only.
+projection). ``v_j^t`` is 1 unless ``signal_cv`` > 0: then a Gamma draw of mean 1 and that
+coefficient of variation per watermarked client and round, as a real client's key-aligned
+change varies from round to round (what hardened mode's de-mixing across rounds cannot cancel).
+The pool submits every update to secure aggregation only.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class SyntheticConfig:
     """Dimension of each update."""
     signal: float = 3.0
     """Watermark component per round along s, in score units."""
+    signal_cv: float = 0.0
+    """Coefficient of variation of each watermarked client's per-round signal (0: the same
+    ``signal`` every round; > 0: ``signal`` times a Gamma draw of mean 1 per client and round)."""
     noise: float = 0.25
     """Client-specific noise scale (its component along s has this standard deviation)."""
     drift: float = 1.0
@@ -70,7 +76,7 @@ class SyntheticConfig:
             raise ValueError(f"synthetic.r: must be in 0..K={self.K}, got {self.r}")
         if self.watermarked is not None:
             check_client_ids(self.watermarked, self.K, "synthetic.watermarked")
-        for name in ("signal", "noise", "drift", "common", "heterogeneity"):
+        for name in ("signal", "signal_cv", "noise", "drift", "common", "heterogeneity"):
             if not np.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"synthetic.{name}: must be a finite number >= 0")
 
@@ -111,11 +117,12 @@ class SyntheticPool(ClientPool):
         g = torch.randn(cfg.dim, generator=gen, dtype=torch.float64)
         g -= torch.dot(g, s) * s  # the shared direction carries no watermark
         out = {}
+        strength = self._strengths(round_id)
         for j in range(cfg.K):
             xi = torch.randn(cfg.dim, generator=gen, dtype=torch.float64)
             delta = cfg.drift * g + cfg.noise * xi
             if j in self.watermarked:
-                delta = delta + cfg.signal * s
+                delta = delta + cfg.signal * strength[j] * s
             out[j] = delta
         if cfg.common:
             c = torch.Generator().manual_seed(self._seed(4, round_id))
@@ -128,6 +135,17 @@ class SyntheticPool(ClientPool):
                     cfg.dim, generator=h, dtype=torch.float64
                 )
         return {j: d.to(torch.float32) for j, d in out.items()}
+
+    def _strengths(self, round_id: int) -> np.ndarray:
+        """Each client's signal multiplier in round ``round_id``: ones, or Gamma draws of mean
+        1 and coefficient of variation ``signal_cv`` (a stream of their own, so the rest of
+        the federation is the same whatever ``signal_cv``)."""
+        cfg = self.config
+        if not cfg.signal_cv:
+            return np.ones(cfg.K)
+        shape = 1.0 / cfg.signal_cv**2
+        rng = np.random.default_rng([cfg.seed, 5, round_id])
+        return rng.gamma(shape, 1.0 / shape, size=cfg.K)
 
     def _seed(self, *stream: int) -> int:
         return int(np.random.default_rng([self.config.seed, *stream]).integers(2**62))
