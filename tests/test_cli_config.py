@@ -138,6 +138,13 @@ def test_unknown_detector_is_named():
     # ... with a watermark its few documents can teach: small steps, 2 epochs, LoRA lr 1e-3
     train = cpu.fl.train
     assert (train.batch_size, train.micro_batch_size, train.epochs, train.lr) == (4, 4, 2, 1e-3)
+    # Both SmolLM2 presets fuse each target's queries; the default is the paper's subsets.
+    assert (
+        cpu.attribution.queries
+        == "fused"
+        == load(RunConfig, None, preset_overrides("smollm2")).attribution.queries
+    )
+    assert load(RunConfig, None, []).attribution.queries == "subsets"
 
 
 def _literal_settings(cls, prefix=""):
