@@ -78,6 +78,8 @@ def test_each_owner_is_read_on_its_own_documents_with_its_own_key(micro):
         assert values.keys() == {owner}
         green = reader.green[owner]
         assert values[owner] == pytest.approx(float(W[green].double().sum()), rel=1e-5)
+        # One pass over every owner's documents reads each as that owner's reader alone does.
+        assert torch.allclose(towards_a[owner], reader.observe((0.3, 0.0, 0)), atol=1e-5)
         split = {**scorer.owner_values_rows(owner, W[:3], 0)}
         rest = scorer.owner_values_rows(owner, W[3:], 3)
         assert split[owner] + rest[owner] == pytest.approx(values[owner], rel=1e-5, abs=1e-7)

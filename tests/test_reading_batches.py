@@ -42,6 +42,21 @@ def test_length_batches_sort_longest_first_and_cover_every_index():
         length_batches(lengths, 0)
 
 
+def test_length_batches_under_a_token_cap_hold_at_most_that_many_padded_tokens():
+    lengths = [3, 9, 1, 9, 5, 7, 2, 4, 4]
+    batches = length_batches(lengths, 4, max_tokens=18)
+    # Widest first: two 9s fill 18; 7 and 5 (14; a third at width 7 would be 21); ...
+    assert batches == [[1, 3], [5, 4], [7, 8, 0, 6], [2]]
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) <= 4
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 18
+    assert length_batches([30, 2], 8, max_tokens=10) == [[0], [1]]  # a long text alone
+    assert length_batches(lengths, 3, max_tokens=10**6) == length_batches(lengths, 3)
+    with pytest.raises(ValueError, match="max_tokens"):
+        length_batches(lengths, 3, max_tokens=0)
+
+
 def test_logits_at_gives_the_full_pass_rows_with_or_without_a_visible_head(micro):
     model, tok = micro
     model.eval()

@@ -19,13 +19,32 @@ import torch
 from .text import padded
 
 
-def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+def length_batches(
+    lengths: Sequence[int], batch_size: int, max_tokens: int | None = None
+) -> list[list[int]]:
     """Indices of ``lengths`` sorted longest first (ties in input order) and cut into batches
-    of ``batch_size``: the first batch is the widest, so a read's peak memory shows at once."""
+    of ``batch_size``: the first batch is the widest, so a read's peak memory shows at once.
+
+    ``max_tokens``: also cut a batch before its padded size (members x its first, widest
+    member's length) would pass it (a batch holds at least one text). On a CPU a forward pass
+    costs about its padded tokens, so a cap keeps long texts in small batches and short ones in
+    large, with little padding either way (the embedded default's reads: 6,300 padded tokens
+    for 5,800 real at 1,024, 8,300 at 16 texts a batch)."""
     if batch_size < 1:
         raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
+    if max_tokens is None:
+        return [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
+    out: list[list[int]] = []
+    for i in order:
+        last = out[-1] if out else None
+        if last and len(last) < batch_size and (len(last) + 1) * lengths[last[0]] <= max_tokens:
+            last.append(i)
+        else:
+            out.append([i])
+    return out
 
 
 def output_layer(model) -> torch.nn.Module | None:

@@ -27,7 +27,7 @@ import torch
 from ..data.records import Record
 from ..models.text import encode_examples
 from .kgw import KGWScheme
-from .radioactivity import KGWReadingScorer
+from .radioactivity import ContextReads, KGWReadingScorer, ReadPlan
 from .tail import RowSubsets
 
 Observation = dict[str, torch.Tensor]
@@ -74,6 +74,23 @@ class KGWDocumentScorer:
             for owner, scheme in sorted(schemes.items())
         }
         self.stack = stack
+        # Every owner's documents read in one pass (one set of length-sorted batches, not one
+        # per owner): each owner's context rows follow the previous owners'.
+        self.spans: dict[str, tuple[int, int]] = {}
+        lo = 0
+        for owner, reader in self.readers.items():
+            self.spans[owner] = (lo, lo + reader.plan.contexts)
+            lo += reader.plan.contexts
+        self.reads = ContextReads(
+            model,
+            load,
+            ReadPlan.joined([r.plan for r in self.readers.values()]),
+            next(iter(self.readers.values())).vocab,
+            pad_id=tokenizer.pad_token_id,
+            batch_size=batch_size,
+            stack=stack,
+            pass_bytes=pass_bytes,
+        )
         first = next(iter(self.readers.values()))
         self.vocab = first.vocab
         self._green_size = first._green_size
@@ -89,9 +106,10 @@ class KGWDocumentScorer:
 
     def observe_many(self, many: Sequence[dict]) -> list[Observation]:
         """:meth:`observe` of every parameter set (each owner's reader batches them)."""
-        many = list(many)
-        per_owner = {o: r.observe_many(many) for o, r in self.readers.items()}
-        return [{o: reads[i] for o, reads in per_owner.items()} for i in range(len(many))]
+        return [
+            {o: joint[lo:hi] for o, (lo, hi) in self.spans.items()}
+            for joint in self.reads.observe_many(many)
+        ]
 
     def contrast(self, reference: Observation, candidate: Observation) -> dict[str, float]:
         """Each owner's z of the green mass moved on its own documents."""

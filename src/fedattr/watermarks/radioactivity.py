@@ -91,6 +91,130 @@ class _ReadBatch(NamedTuple):
     groups: torch.Tensor
 
 
+class ReadPlan(NamedTuple):
+    """What a read reads: each text (up to its last read position), the positions read in it
+    (position ``t`` predicts token ``t + 1``), each read position's context row, and the
+    number of context rows."""
+
+    texts: list[list[int]]
+    reads: list[list[int]]
+    groups: list[torch.Tensor]
+    contexts: int
+
+    @staticmethod
+    def joined(plans: Sequence[ReadPlan]) -> ReadPlan:
+        """One plan reading every plan's texts, each plan's context rows after the previous
+        plans' (one pass over several owners' documents instead of one per owner)."""
+        texts: list[list[int]] = []
+        reads: list[list[int]] = []
+        groups: list[torch.Tensor] = []
+        offset = 0
+        for plan in plans:
+            texts += plan.texts
+            reads += plan.reads
+            groups += [g + offset for g in plan.groups]
+            offset += plan.contexts
+        return ReadPlan(texts, reads, groups, offset)
+
+
+CPU_READ_TOKENS = 1024
+"""Padded tokens per forward pass of a read on a CPU (:func:`length_batches`' cap): the
+embedded default's reads of its owners' documents took 0.13 s per model at 16 texts a batch,
+about 0.10 s at 1,024 tokens (2 cores, 2026-11-27). An accelerator reads in full batches."""
+
+
+class ContextReads:
+    """A model's next-token distributions at a :class:`ReadPlan`'s positions, summed per
+    context row: ``[contexts, vocab]`` float32 per model read.
+
+    ``stack(model, states)``: a context in which one forward pass over candidate-major rows
+    runs each state's parameters (:func:`fedattr.models.lora.stacked_candidates`); with it
+    :meth:`observe_many` reads several candidates per pass, as many as keep one pass's float32
+    probabilities within ``pass_bytes``."""
+
+    def __init__(
+        self,
+        model,
+        load: Callable[[object, dict], None],
+        plan: ReadPlan,
+        vocab: int,
+        *,
+        pad_id: int = 0,
+        batch_size: int = 16,
+        stack: Callable[[object, Sequence[dict]], AbstractContextManager] | None = None,
+        pass_bytes: int = 1 << 30,
+    ) -> None:
+        self.model, self.load, self.stack, self.pass_bytes = model, load, stack, pass_bytes
+        self.vocab, self.contexts = vocab, plan.contexts
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.batches: list[_ReadBatch] = []
+        lengths = [len(t) for t in plan.texts]
+        for idx in length_batches(lengths, batch_size, CPU_READ_TOKENS if on_cpu else None):
+            ids, mask = padded([plan.texts[i] for i in idx], pad_id)
+            width = ids.shape[1]
+            at = [torch.tensor(plan.reads[i], dtype=torch.long) for i in idx]
+            rows = torch.cat([a + k * width for k, a in enumerate(at)])
+            groups = torch.cat([plan.groups[i] for i in idx])
+            self.batches.append(_ReadBatch(ids, mask, rows, groups))
+
+    @torch.no_grad()
+    def observe(self, params: dict) -> torch.Tensor:
+        """The distributions summed per context row under ``params``."""
+        self.load(self.model, params)
+        return self._read(1)[0]
+
+    @torch.no_grad()
+    def observe_many(self, many: Sequence[dict]) -> list[torch.Tensor]:
+        """:meth:`observe` of every parameter set, several per forward pass with ``stack``."""
+        many = list(many)
+        if self.stack is None or len(many) < 2:
+            return [self.observe(p) for p in many]
+        # Probabilities of the read positions only where the output layer can be hooked,
+        # else of every position of the widest batch.
+        hooked = output_layer(self.model) is not None
+        per_candidate = (
+            self.vocab
+            * 4
+            * max(len(b.rows) if hooked else b.input_ids.numel() for b in self.batches)
+        )
+        group = max(1, min(len(many), self.pass_bytes // max(1, per_candidate)))
+        out: list[torch.Tensor] = []
+        for start in range(0, len(many), group):
+            with self.stack(self.model, many[start : start + group]) as count:
+                out.extend(self._read(count))
+        return out
+
+    def _read(self, count: int) -> list[torch.Tensor]:
+        """The plan read by the model as it stands, each batch repeated ``count`` times
+        candidate-major (inside a stacked context: one row block per candidate)."""
+        was_training = self.model.training
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        out = [
+            torch.zeros((self.contexts, self.vocab), dtype=torch.float32, device=device)
+            for _ in range(count)
+        ]
+        # LoRA factors folded into the weights for the read (not inside a stacked pass, whose
+        # layers are patched already: folded_adapters declines those itself).
+        with folded_adapters(self.model):
+            for b in self.batches:
+                ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
+                rows = b.rows.to(device)
+                if count > 1:
+                    ids, mask = ids.repeat(count, 1), mask.repeat(count, 1)
+                    rows = torch.cat([rows + c * b.input_ids.numel() for c in range(count)])
+                logits = logits_at(self.model, ids, mask, rows)
+                # Renormalised over the tokenizer's vocabulary (heads may be padded beyond
+                # it), so that every row of a change sums to zero.
+                probs = torch.softmax(logits[:, : self.vocab].float(), dim=-1)
+                groups = b.groups.to(device)
+                for c, block in enumerate(probs.split(len(b.rows))):
+                    out[c].index_add_(0, groups, block)
+        if was_training:
+            self.model.train()
+        return out
+
+
 class KGWReadingScorer:
     """Paired teacher-forced KGW test ("reading mode"): ``observe`` / ``contrast``.
 
@@ -172,14 +296,17 @@ class KGWReadingScorer:
         # A probe's last token is not fed: no read position follows it (position t predicts
         # token t + 1), and a causal model reads the earlier positions the same without it.
         texts = [ex.input_ids[: at[-1] + 1] for ex, at in zip(self.examples, reads, strict=True)]
-        self._batches: list[_ReadBatch] = []
-        for idx in length_batches([len(t) for t in texts], batch_size):
-            ids, mask = padded([texts[i] for i in idx], pad_id)
-            width = ids.shape[1]
-            rows = torch.cat(
-                [torch.tensor(reads[i], dtype=torch.long) + k * width for k, i in enumerate(idx)]
-            )
-            self._batches.append(_ReadBatch(ids, mask, rows, torch.cat([groups[i] for i in idx])))
+        self.plan = ReadPlan(texts, reads, list(groups), len(contexts))
+        self.reads = ContextReads(
+            model,
+            load,
+            self.plan,
+            self.vocab,
+            pad_id=pad_id,
+            batch_size=batch_size,
+            stack=stack,
+            pass_bytes=pass_bytes,
+        )
         self.green = {name: s.green_masks(contexts.tolist()) for name, s in schemes.items()}
         m = self._green_size = next(iter(schemes.values())).green_size
         self._null_var = m * (self.vocab - m) / (self.vocab * (self.vocab - 1))
@@ -187,69 +314,20 @@ class KGWReadingScorer:
         self._green_device = torch.device("cpu")
         self._null: RandomGreenLists | None = None  # the random keys, kept between rounds
 
-    @torch.no_grad()
     def observe(self, params: dict) -> torch.Tensor:
         """``A[x]``: the model's next-token distributions summed per previous token (a
         ``[contexts, vocab]`` float32 tensor on the model's device)."""
-        self.load(self.model, params)
-        return self._read(1)[0]
+        return self.reads.observe(params)
 
     @property
     def batched(self) -> bool:
         """Whether :meth:`observe_many` reads several candidates per pass (with ``stack``)."""
         return self.stack is not None
 
-    @torch.no_grad()
     def observe_many(self, many: Sequence[dict]) -> list[torch.Tensor]:
         """:meth:`observe` of every parameter set, several candidates per forward pass when the
         scorer can stack them (same values up to float rounding), else one at a time."""
-        many = list(many)
-        if self.stack is None or len(many) < 2:
-            return [self.observe(p) for p in many]
-        # Probabilities of the read positions only where the output layer can be hooked,
-        # else of every position of the widest batch.
-        hooked = output_layer(self.model) is not None
-        per_candidate = (
-            self.vocab
-            * 4
-            * max(len(b.rows) if hooked else b.input_ids.numel() for b in self._batches)
-        )
-        group = max(1, min(len(many), self.pass_bytes // max(1, per_candidate)))
-        out: list[torch.Tensor] = []
-        for start in range(0, len(many), group):
-            with self.stack(self.model, many[start : start + group]) as count:
-                out.extend(self._read(count))
-        return out
-
-    def _read(self, count: int) -> list[torch.Tensor]:
-        """The probes read by the model as it stands, each batch repeated ``count`` times
-        candidate-major (inside a stacked context: one row block per candidate)."""
-        was_training = self.model.training
-        self.model.eval()
-        device = next(self.model.parameters()).device
-        out = [
-            torch.zeros((len(self.contexts), self.vocab), dtype=torch.float32, device=device)
-            for _ in range(count)
-        ]
-        # LoRA factors folded into the weights for the read (not inside a stacked pass, whose
-        # layers are patched already: folded_adapters declines those itself).
-        with folded_adapters(self.model):
-            for b in self._batches:
-                ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
-                rows = b.rows.to(device)
-                if count > 1:
-                    ids, mask = ids.repeat(count, 1), mask.repeat(count, 1)
-                    rows = torch.cat([rows + c * b.input_ids.numel() for c in range(count)])
-                logits = logits_at(self.model, ids, mask, rows)
-                # Renormalised over the tokenizer's vocabulary (heads may be padded beyond
-                # it), so that every row of a change sums to zero.
-                probs = torch.softmax(logits[:, : self.vocab].float(), dim=-1)
-                groups = b.groups.to(device)
-                for c, block in enumerate(probs.split(len(b.rows))):
-                    out[c].index_add_(0, groups, block)
-        if was_training:
-            self.model.train()
-        return out
+        return self.reads.observe_many(many)
 
     def contrast(self, reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
         """The z of the green mass moved from ``reference`` to ``candidate``, per owner key."""
