@@ -82,7 +82,7 @@ def _first_occurrences(ids: Sequence[int], positions: Sequence[int]) -> list[int
 
 
 class _ReadBatch(NamedTuple):
-    """One probe batch of :class:`KGWReadingScorer`: padded ids and mask, the scored
+    """One probe batch of :class:`ContextReads`: padded ids and mask, the scored
     positions as flat indices into them, and each scored position's context group."""
 
     input_ids: torch.Tensor
@@ -267,10 +267,7 @@ class KGWReadingScorer:
         vocabs = {s.vocab_size for s in schemes.values()}
         if len(vocabs) != 1:
             raise ValueError("KGWReadingScorer: all owner keys must share one vocabulary size")
-        self.model = model
-        self.load = load
         self.stack = stack
-        self.pass_bytes = pass_bytes
         self.vocab = vocabs.pop()
         # Read each example's loss positions: position t predicts token t + 1 after ids[t].
         self.examples: list[Example] = []
@@ -291,10 +288,9 @@ class KGWReadingScorer:
         self.contexts = contexts
         self.positions = len(prevs)
         groups = torch.split(inverse, [len(at) for at in reads])
-        # Batches of similar length (less padding), each with its scored positions as flat
-        # indices into the padded batch and their context groups, built once for every read.
-        # A probe's last token is not fed: no read position follows it (position t predicts
-        # token t + 1), and a causal model reads the earlier positions the same without it.
+        # What every read reads (its batches are built once, by ContextReads). A probe's last
+        # token is not fed: no read position follows it (position t predicts token t + 1), and
+        # a causal model reads the earlier positions the same without it.
         texts = [ex.input_ids[: at[-1] + 1] for ex, at in zip(self.examples, reads, strict=True)]
         self.plan = ReadPlan(texts, reads, list(groups), len(contexts))
         self.reads = ContextReads(
