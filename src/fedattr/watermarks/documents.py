@@ -105,7 +105,8 @@ class KGWDocumentScorer:
         return self.observe_many([params])[0]
 
     def observe_many(self, many: Sequence[dict]) -> list[Observation]:
-        """:meth:`observe` of every parameter set (each owner's reader batches them)."""
+        """:meth:`observe` of every parameter set: one read of every owner's documents each
+        (several candidates per pass where the reads stack), split back per owner."""
         return [
             {o: joint[lo:hi] for o, (lo, hi) in self.spans.items()}
             for joint in self.reads.observe_many(many)
