@@ -11,6 +11,7 @@ matmul of a small model and a large-vocabulary one alike, only at the positions 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -35,12 +36,11 @@ def length_batches(
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    if max_tokens is None:
-        return [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
+    cap = math.inf if max_tokens is None else max_tokens
     out: list[list[int]] = []
     for i in order:
         last = out[-1] if out else None
-        if last and len(last) < batch_size and (len(last) + 1) * lengths[last[0]] <= max_tokens:
+        if last and len(last) < batch_size and (len(last) + 1) * lengths[last[0]] <= cap:
             last.append(i)
         else:
             out.append([i])

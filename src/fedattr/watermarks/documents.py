@@ -73,32 +73,31 @@ class KGWDocumentScorer:
             )
             for owner, scheme in sorted(schemes.items())
         }
-        self.stack = stack
+        first = next(iter(self.readers.values()))
+        self.vocab = first.vocab
+        self._green_size = first._green_size
         # Every owner's documents read in one pass (one set of length-sorted batches, not one
         # per owner): each owner's context rows follow the previous owners'.
-        self.spans: dict[str, tuple[int, int]] = {}
-        lo = 0
-        for owner, reader in self.readers.items():
-            self.spans[owner] = (lo, lo + reader.plan.contexts)
-            lo += reader.plan.contexts
+        plan, starts = ReadPlan.joined([r.plan for r in self.readers.values()])
+        self.spans = {
+            owner: (lo, lo + reader.plan.contexts)
+            for (owner, reader), lo in zip(self.readers.items(), starts, strict=True)
+        }
         self.reads = ContextReads(
             model,
             load,
-            ReadPlan.joined([r.plan for r in self.readers.values()]),
-            next(iter(self.readers.values())).vocab,
+            plan,
+            self.vocab,
             pad_id=tokenizer.pad_token_id,
             batch_size=batch_size,
             stack=stack,
             pass_bytes=pass_bytes,
         )
-        first = next(iter(self.readers.values()))
-        self.vocab = first.vocab
-        self._green_size = first._green_size
 
     @property
     def batched(self) -> bool:
         """Whether :meth:`observe_many` reads several candidates per pass."""
-        return self.stack is not None
+        return self.reads.stack is not None
 
     def observe(self, params: dict) -> Observation:
         """Every owner's documents read by the model under ``params`` (loaded once)."""

@@ -8,6 +8,7 @@ docstring; much more sensitive on small models).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -102,19 +103,22 @@ class ReadPlan(NamedTuple):
     contexts: int
 
     @staticmethod
-    def joined(plans: Sequence[ReadPlan]) -> ReadPlan:
+    def joined(plans: Sequence[ReadPlan]) -> tuple[ReadPlan, list[int]]:
         """One plan reading every plan's texts, each plan's context rows after the previous
-        plans' (one pass over several owners' documents instead of one per owner)."""
+        plans' (one pass over several owners' documents instead of one per owner), and the
+        first of each plan's rows in it."""
         texts: list[list[int]] = []
         reads: list[list[int]] = []
         groups: list[torch.Tensor] = []
+        starts: list[int] = []
         offset = 0
         for plan in plans:
+            starts.append(offset)
             texts += plan.texts
             reads += plan.reads
             groups += [g + offset for g in plan.groups]
             offset += plan.contexts
-        return ReadPlan(texts, reads, groups, offset)
+        return ReadPlan(texts, reads, groups, offset), starts
 
 
 CPU_READ_TOKENS = 1024
@@ -267,7 +271,6 @@ class KGWReadingScorer:
         vocabs = {s.vocab_size for s in schemes.values()}
         if len(vocabs) != 1:
             raise ValueError("KGWReadingScorer: all owner keys must share one vocabulary size")
-        self.stack = stack
         self.vocab = vocabs.pop()
         # Read each example's loss positions: position t predicts token t + 1 after ids[t].
         self.examples: list[Example] = []
@@ -288,12 +291,15 @@ class KGWReadingScorer:
         self.contexts = contexts
         self.positions = len(prevs)
         groups = torch.split(inverse, [len(at) for at in reads])
-        # What every read reads (its batches are built once, by ContextReads). A probe's last
-        # token is not fed: no read position follows it (position t predicts token t + 1), and
-        # a causal model reads the earlier positions the same without it.
+        # What every read reads. A probe's last token is not fed: no read position follows it
+        # (position t predicts token t + 1), and a causal model reads the earlier positions the
+        # same without it.
         texts = [ex.input_ids[: at[-1] + 1] for ex, at in zip(self.examples, reads, strict=True)]
         self.plan = ReadPlan(texts, reads, list(groups), len(contexts))
-        self.reads = ContextReads(
+        # Its batches are built on the first read: a scorer whose plan another reads (one of
+        # KGWDocumentScorer's owners) never builds them.
+        self._reads = functools.partial(
+            ContextReads,
             model,
             load,
             self.plan,
@@ -310,6 +316,11 @@ class KGWReadingScorer:
         self._green_device = torch.device("cpu")
         self._null: RandomGreenLists | None = None  # the random keys, kept between rounds
 
+    @functools.cached_property
+    def reads(self) -> ContextReads:
+        """The plan's reads (built on first use)."""
+        return self._reads()
+
     def observe(self, params: dict) -> torch.Tensor:
         """``A[x]``: the model's next-token distributions summed per previous token (a
         ``[contexts, vocab]`` float32 tensor on the model's device)."""
@@ -318,7 +329,7 @@ class KGWReadingScorer:
     @property
     def batched(self) -> bool:
         """Whether :meth:`observe_many` reads several candidates per pass (with ``stack``)."""
-        return self.stack is not None
+        return self.reads.stack is not None
 
     def observe_many(self, many: Sequence[dict]) -> list[torch.Tensor]:
         """:meth:`observe` of every parameter set, several candidates per forward pass when the
