@@ -104,3 +104,23 @@ def test_the_guides_state_what_a_default_run_shows() -> None:
     assert "%|" in run, "the terminal's progress bar is shown in the run's console"
     words = " ".join(start.split())
     assert "Piped into a file" in words and "[0m05s] round 1 local training" in words
+
+
+def test_kept_run_records_are_finished_runs_of_the_command_beside_them() -> None:
+    """A calibration measured over several sittings keeps its finished runs in the docs; the
+    command their README gives must keep them (same configuration) rather than run them again."""
+    from fedattr.experiments.calibration import CalibrationSpec
+    from fedattr.reporting.run_folder import RunFolder
+
+    kept = DOCS / "results" / "runs"
+    command = _FENCE.search((kept / "README.md").read_text(encoding="utf-8")).group(0)
+    command = command.replace("\\\n", " ")
+    bed = re.search(r"--bed (\S+)", command).group(1)
+    sets = re.findall(r"--set (\S+)", command)
+    folders = sorted(kept.glob("*/r*-seed*"))
+    assert folders, "no run records kept"
+    for folder in folders:
+        r, seed = map(int, re.fullmatch(r"r(\d+)-seed(\d+)", folder.name).groups())
+        spec = CalibrationSpec(bed=bed, seeds=(seed,), r=(r,), overrides=sets)
+        assert RunFolder(folder).claim(spec.run_config(r, seed), reuse=True) == "finished", folder
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "results.json"]
