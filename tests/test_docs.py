@@ -112,7 +112,7 @@ def test_kept_run_records_are_finished_runs_of_the_command_beside_them() -> None
     from fedattr.experiments.calibration import CalibrationSpec
     from fedattr.reporting.run_folder import RunFolder
 
-    kept = DOCS / "results" / "runs"
+    kept = DOCS / "results" / "records"
     command = _FENCE.search((kept / "README.md").read_text(encoding="utf-8")).group(0)
     command = command.replace("\\\n", " ")
     bed = re.search(r"--bed (\S+)", command).group(1)
