@@ -108,19 +108,26 @@ def test_the_guides_state_what_a_default_run_shows() -> None:
 
 def test_kept_run_records_are_finished_runs_of_the_command_beside_them() -> None:
     """A calibration measured over several sittings keeps its finished runs in the docs; the
-    command their README gives must keep them (same configuration) rather than run them again."""
+    command the records' README gives for each folder must keep them (same configuration)
+    rather than run them again."""
     from fedattr.experiments.calibration import CalibrationSpec
     from fedattr.reporting.run_folder import RunFolder
 
     kept = DOCS / "results" / "records"
-    command = _FENCE.search((kept / "README.md").read_text(encoding="utf-8")).group(0)
-    command = command.replace("\\\n", " ")
-    bed = re.search(r"--bed (\S+)", command).group(1)
-    sets = re.findall(r"--set (\S+)", command)
-    folders = sorted(kept.glob("*/r*-seed*"))
-    assert folders, "no run records kept"
-    for folder in folders:
-        r, seed = map(int, re.fullmatch(r"r(\d+)-seed(\d+)", folder.name).groups())
-        spec = CalibrationSpec(bed=bed, seeds=(seed,), r=(r,), overrides=sets)
-        assert RunFolder(folder).claim(spec.run_config(r, seed), reuse=True) == "finished", folder
-        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "results.json"]
+    covered = set()
+    for block in _FENCE.finditer((kept / "README.md").read_text(encoding="utf-8")):
+        command = block.group(0).replace("\\\n", " ")
+        name = re.search(r"records/([^/\s]+)/", command).group(1)
+        bed = re.search(r"--bed (\S+)", command).group(1)
+        sets = re.findall(r"--set (\S+)", command)
+        folders = sorted((kept / name).glob("r*-seed*"))
+        assert folders, f"no run records kept in {name}"
+        for folder in folders:
+            r, seed = map(int, re.fullmatch(r"r(\d+)-seed(\d+)", folder.name).groups())
+            spec = CalibrationSpec(bed=bed, seeds=(seed,), r=(r,), overrides=sets)
+            claimed = RunFolder(folder).claim(spec.run_config(r, seed), reuse=True)
+            assert claimed == "finished", folder
+            assert sorted(p.name for p in folder.iterdir()) == ["config.json", "results.json"]
+        covered.add(name)
+    kept_folders = {p.name for p in kept.iterdir() if p.is_dir()}
+    assert kept_folders == covered, "every records folder needs its command in the README"
