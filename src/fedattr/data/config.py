@@ -19,9 +19,13 @@ class DataConfig:
     split: str = "train"
     records: int = 2000
     """Records drawn for the clients (embedded corpus size, or a cap on a loaded file)."""
-    partition: Literal["iid", "dirichlet"] = "iid"
-    """``iid`` or ``dirichlet``."""
+    partition: Literal["iid", "dirichlet", "quantity"] = "iid"
+    """``iid``; ``dirichlet``: label skew, each category's records shared out by
+    Dirichlet(``dirichlet_alpha``); ``quantity``: quantity skew, shard sizes by
+    Dirichlet(``dirichlet_alpha``), records dealt at random (every client at least one)."""
     dirichlet_alpha: float = 0.5
+    """The Dirichlet concentration of ``partition = "dirichlet"`` and ``"quantity"`` (smaller:
+    more skewed)."""
     max_len: int = 128
     """Longest training sequence in tokens."""
     seed: int = 0

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ..config import check_choice
 from ..models.training import TrainSettings
+from .clients import ClientGroup
 from .registry import STRATEGIES
 
 
@@ -23,6 +24,11 @@ class FLConfig:
     """Local training. The tiny default trains 2 epochs at peak LR 1e-3 (a from-scratch 2-layer
     model learns little in the paper's 1 epoch at 2e-4); the smollm2 preset uses 1 at 2e-4."""
     seed: int = 0
+    clients: list[ClientGroup] = field(default_factory=list)
+    """Clients that train or submit differently from the rest (free-riders, stragglers, other
+    learning rates or epochs, clients that drop out of rounds): a list of groups, e.g.
+    ``--set 'fl.clients=[{"count": 2, "update_scale": 0}]'`` makes two clean clients, drawn by
+    seed, free-riders (see :class:`~fedattr.fl.clients.ClientGroup`)."""
 
     def __post_init__(self) -> None:
         if self.K < 3:

@@ -12,7 +12,7 @@ import numpy as np
 from ..data.config import DataConfig
 from ..data.corpus import generate_corpus
 from ..data.loaders import DataError, load_records
-from ..data.partition import partition_dirichlet, partition_iid
+from ..data.partition import partition_dirichlet, partition_iid, partition_quantity
 from ..data.records import Record
 from ..models.text import format_prompt
 from ..watermarks.config import WatermarkConfig
@@ -118,6 +118,8 @@ def build_federation(
     records, detect = _clean_data(data, wm, K)
     if data.partition == "iid":
         shards = partition_iid(records, K, seed=data.seed)
+    elif data.partition == "quantity":
+        shards = partition_quantity(records, K, data.dirichlet_alpha, seed=data.seed)
     else:
         shards = partition_dirichlet(records, K, data.dirichlet_alpha, seed=data.seed)
     clients = watermarked_clients(wm, K, seed)

@@ -11,6 +11,8 @@ from ..models.text import Example
 from ..models.training import TrainSettings, train
 from ..runtime import release_memory
 from ..secagg.aggregator import SecureAggregator
+from ..updates import scale_update
+from .clients import Profiles, profiles_of
 from .node import scaled_update, train_seed
 from .pool import ClientPool, PlaintextTap
 from .progress import Progress
@@ -25,6 +27,10 @@ class InProcessPool(ClientPool):
     with a seed fixed by (run seed, round, client), and submits only its scaled update, on the
     CPU in float32, to secure aggregation. An open :class:`PlaintextTap` also receives the
     unscaled update (the baselines' view, which FedAttr never has).
+
+    ``profiles`` (``fl.clients``): clients that train or submit differently (their learning
+    rate, epochs, share of their steps, a scale on what they send, rounds they drop out of);
+    the rest train with ``settings``.
     """
 
     def __init__(
@@ -35,12 +41,14 @@ class InProcessPool(ClientPool):
         settings: TrainSettings,
         pad_id: int,
         seed: int = 0,
+        profiles: Profiles | None = None,
     ) -> None:
         sizes = [len(e) for e in examples]
         if min(sizes) == 0:
             raise UserError("data: a client has no usable training example; raise data.records")
         self.model, self.examples, self.strategy = model, list(examples), strategy
         self.settings, self.pad_id, self.seed = settings, pad_id, seed
+        self.profiles = profiles_of(profiles)
         self._params = trainable_lora_parameters(model)
         self._sizes = sizes
         self._tap: PlaintextTap | None = None
@@ -70,26 +78,36 @@ class InProcessPool(ClientPool):
         if self._tap is not None:
             self._tap.updates = {}
         steps = progress.steps(len(participants), f"round {round_id} local training")
+        dropped = set(self.profiles.drops(round_id, participants))
         for c in participants:
+            profile = self.profiles[c]
             self.strategy.start(self.model, state, round_id, c)
             stats = train(
                 self.model,
                 self._params,
                 self.examples[c],
-                self.settings,
+                profile.settings(self.settings),
                 self.pad_id,
                 seed=train_seed(self.seed, round_id, c),
+                stop_after=profile.steps,
             )
             losses[c] = stats["loss"]
             if timing is not None:
                 timing.count("train_tokens", stats["tokens"])
                 timing.count("train_steps", stats["steps"])
             update = self.strategy.update(self.model, state)
-            # Only the scaled update leaves the client, and only into secure aggregation.
-            sa.submit(c, scaled_update(update, scales[c]))
-            if self._tap is not None:
-                self._tap.updates[c] = {k: v.detach().float().cpu() for k, v in update.items()}
+            if profile.update_scale != 1.0:  # what this client sends of what it learned
+                update = scale_update(update, profile.update_scale)
+            if c in dropped:
+                # Trained, but its update never reaches SA: offline for the rest of the round.
+                sa.drop(c)
+            else:
+                # Only the scaled update leaves the client, and only into secure aggregation.
+                sa.submit(c, scaled_update(update, scales[c]))
+                if self._tap is not None:
+                    self._tap.updates[c] = {k: v.detach().float().cpu() for k, v in update.items()}
             release_memory()  # the training step's freed buffers, before the next client's
-            steps.step(f"client {c} loss {stats['loss']:.3f}")
+            note = " (dropped out)" if c in dropped else ""
+            steps.step(f"client {c} loss {stats['loss']:.3f}{note}")
         steps.close()
         return losses

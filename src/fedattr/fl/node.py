@@ -110,9 +110,16 @@ class LLMClientNode:
         from ..models.lora import attach_lora, trainable_lora_parameters
         from ..models.training import train
         from ..runtime import release_memory
+        from .clients import resolve_profiles
+        from .federation import watermarked_clients
         from .registry import make_strategy
 
         examples = self._examples()
+        fl, wm = self.fl_cfg, self.watermark_cfg
+        # The same profile the in-process pool gives this client (fl.clients).
+        profile = resolve_profiles(
+            fl.clients, fl.K, watermarked_clients(wm, fl.K, fl.seed), fl.seed
+        )[self.client_id]
         if self._adapted is None:
             self._adapted = attach_lora(self._model, self.lora_cfg, seed=self.fl_cfg.seed)
         model = self._adapted
@@ -122,11 +129,15 @@ class LLMClientNode:
             model,
             trainable_lora_parameters(model),
             examples,
-            self.fl_cfg.train,
+            profile.settings(self.fl_cfg.train),
             self._tokenizer.pad_token_id,
             seed=train_seed(self.fl_cfg.seed, round_id, self.client_id),
+            stop_after=profile.steps,
         )
-        update = scaled_update(client.update(model, state), scale)
+        update = client.update(model, state)
+        if profile.update_scale != 1.0:  # as the in-process pool applies it: the same bits
+            update = {k: v * profile.update_scale for k, v in update.items()}
+        update = scaled_update(update, scale)
         release_memory()  # the training steps' freed buffers, while the node waits
         return update, {
             "loss": float(stats["loss"]),

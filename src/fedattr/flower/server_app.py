@@ -78,6 +78,11 @@ def check_settings(cfg: Any, command: str) -> None:
             "secagg.dropout: simulated dropouts are for in-process runs; on Flower a node that "
             "misses the timeout is a dropout; allowed: 0"
         )
+    if command == "run" and any(g.drop for g in cfg.fl.clients):
+        raise UserError(
+            "fl.clients[].drop: simulated dropouts are for in-process runs; on Flower a node "
+            "that misses the timeout is a dropout; allowed: 0"
+        )
     if command == "run" and cfg.baselines:
         raise UserError(
             "baselines: they read plaintext client updates, which Flower clients never send; "

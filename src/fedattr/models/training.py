@@ -68,9 +68,12 @@ def train(
     pad_id: int,
     seed: int = 0,
     on_step: Callable[[int, int, float], None] | None = None,
+    stop_after: float = 1.0,
 ) -> dict[str, float]:
     """Train ``params`` of ``model`` on ``examples``; returns the mean loss, the step count and
-    the tokens processed (padding excluded)."""
+    the tokens processed (padding excluded). ``stop_after``: the share of the planned steps
+    taken before training stops (a straggler's; the schedule is still the planned one, and at
+    least one step is taken)."""
     if not examples:
         raise ValueError("train: no training examples")
     params = [p for p in params if p.requires_grad]
@@ -83,6 +86,7 @@ def train(
     if settings.max_steps:
         total = min(total, settings.max_steps)
     warmup = round(settings.warmup_ratio * total)
+    stop = total if stop_after >= 1.0 else max(1, math.floor(stop_after * total))
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(
         params,
@@ -96,9 +100,9 @@ def train(
     lengths = [len(e.input_ids) for e in examples]
     model.train()
     step, losses, tokens = 0, [], 0
-    while step < total:
+    while step < stop:
         for order in epoch_batches(lengths, settings.batch_size, rng, settings.group_by_length):
-            if step >= total:
+            if step >= stop:
                 break
             batch = [examples[i] for i in order]
             n_tokens = sum(counts[i] for i in order)

@@ -13,7 +13,9 @@ from ..baselines.config import FLDetectorConfig, FLForensicsConfig
 from ..config import ConfigError, check_client_ids, from_dict, to_dict
 from ..data.config import DataConfig
 from ..errors import UserError
+from ..fl.clients import resolve_profiles
 from ..fl.config import FLConfig
+from ..fl.federation import watermarked_clients
 from ..fl.synthetic import SyntheticConfig
 from ..models.config import LoRAConfig, ModelConfig
 from ..secagg.config import SecAggConfig
@@ -103,6 +105,13 @@ class RunConfig:
             check_client_ids(wm.clients, self.fl.K, "watermark.clients")
         elif wm.r > self.fl.K:
             raise ValueError(f"watermark.r: must be in 0..fl.K={self.fl.K}, got {wm.r}")
+        # fl.clients: every group's clients can be named or drawn (one line, before any work).
+        resolve_profiles(
+            self.fl.clients,
+            self.fl.K,
+            watermarked_clients(wm, self.fl.K, self.fl.seed),
+            self.fl.seed,
+        )
         n_wm = len(wm.clients) if wm.clients is not None else wm.r
         most = WATERMARKS[wm.kind].max_clients
         if most is not None and n_wm > most:

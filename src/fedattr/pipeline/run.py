@@ -30,6 +30,7 @@ from ..baselines import BaselineRecorder, BaselineResult
 from ..baselines.observer import BaselineObserver
 from ..config import to_dict
 from ..errors import UserError, require_extra
+from ..fl.clients import resolve_profiles
 from ..fl.fedavg import FedAvgServer
 from ..fl.federation import build_federation
 from ..fl.inprocess import InProcessPool
@@ -318,13 +319,20 @@ def run_experiment(
             cfg.data, cfg.watermark, cfg.fl.K, cfg.fl.seed, model, tokenizer, say
         )
     timing.count("teacher_documents", sum(fed.wm_docs.values()))
+    profiles = resolve_profiles(cfg.fl.clients, cfg.fl.K, sorted(fed.owner_of), cfg.fl.seed)
     model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
     server, client = make_strategy(cfg.fl, cfg.lora)
     state = server.initial_state(model)
     if pool is None:
         examples = [encode_examples(tokenizer, s, cfg.data.max_len) for s in fed.shards]
         pool = InProcessPool(
-            model, examples, client, cfg.fl.train, tokenizer.pad_token_id, seed=cfg.fl.seed
+            model,
+            examples,
+            client,
+            cfg.fl.train,
+            tokenizer.pad_token_id,
+            seed=cfg.fl.seed,
+            profiles=profiles,
         )
     kind, wm = WATERMARKS[cfg.watermark.kind], cfg.watermark
 
@@ -420,7 +428,11 @@ def run_experiment(
     truth = fed.truth(cfg.fl.K)
     details = {
         "scoring": cfg.attribution.scoring,
-        "federation": {**fed.summary(), "client_sizes": pool.data_sizes()},
+        "federation": {
+            **fed.summary(),
+            "client_sizes": pool.data_sizes(),
+            "profiles": profiles.summary(),
+        },
         "strategy": cfg.fl.strategy,
         "watermark": cfg.watermark.kind,
         "detector": cfg.watermark.detector,
