@@ -380,6 +380,9 @@ def standardise_blocks(
     weights: Mapping[str, Change] | None = None,
     cells: int | None = STANDARDISE_CELLS,
     spread: float = 0.0,
+    centre: bool = True,
+    frozen_spread: Mapping[str, torch.Tensor] | None = None,
+    keep_spread: Callable[[str, int, torch.Tensor], None] | None = None,
 ) -> bool:
     """:func:`standardise_round` a block of rows at a time, each block handed to ``sink(part,
     first row, [each target's standardised rows])`` (float32, ``[rows, cols]``); returns
@@ -393,7 +396,13 @@ def standardise_blocks(
     in several the variance and column means are summed block by block in float64 (the same up
     to float rounding). ``spread``: the exponent of :func:`spread_weights`, applied after
     centring, for laws whose rows each mark several columns (KGW); 0 leaves every cell's
-    weight as it is."""
+    weight as it is.
+
+    ``centre = False`` subtracts no centre made of the round's clients (rows are still
+    centred): a round whose reference model may have learned a key (see
+    :class:`CalibratedNull`). ``frozen_spread``: per part, the spread weights of an earlier
+    round to read with instead of this round's (``[rows, cols]``); ``keep_spread(part, first
+    row, weights)`` hears the weights this round computes."""
     A = cross_talk(participants, targets, designs, decorrelate)
     inv = np.linalg.inv(A) if A is not None else None
 
@@ -419,13 +428,20 @@ def standardise_blocks(
                 # Row by row in float64 (see _combination): the same bits wherever it runs.
                 # At once where a float64 copy of Y is small: the same bits, 3x faster.
                 X = _combine(inv, Y, at_once=cells is not None or Y.numel() <= _AT_ONCE_CELLS)
-                C = _median(X)
+                C = _median(X) if centre else None
             else:
                 X = Y
                 C = center_part if center_part is not None else Y.mean(dim=0)
-            D = X - C
+                C = C if centre else None
+            D = X - C if C is not None else X
             if by_spread:
-                D = D * spread_weights(D, cols, spread).to(D)
+                if frozen_spread is not None and part in frozen_spread:
+                    sw = frozen_spread[part][lo:hi].reshape(-1)
+                else:
+                    sw = spread_weights(D, cols, spread)
+                    if keep_spread is not None:
+                        keep_spread(part, lo, sw.reshape(hi - lo, cols))
+                D = D * sw.to(D)
             return [D[i].reshape(hi - lo, cols) for i in range(len(targets))]
 
         drift: list[torch.Tensor] | None = None
@@ -480,6 +496,9 @@ def standardise_round(
     token_centring: bool = False,
     weights: Parts | None = None,
     spread: float = 0.0,
+    centre: bool = True,
+    frozen_spread: Mapping[str, torch.Tensor] | None = None,
+    keep_spread: Callable[[str, int, torch.Tensor], None] | None = None,
 ) -> tuple[list[Parts], bool]:
     """Steps 2-4 of the module: each target's own change, centred without a key and divided by
     its null standard deviation; and whether cross-talk was undone. Key-free throughout.
@@ -516,6 +535,9 @@ def standardise_round(
         weights,
         cells=None,
         spread=spread,
+        centre=centre,
+        frozen_spread=frozen_spread,
+        keep_spread=keep_spread,
     )
     return out, undone
 
@@ -657,6 +679,8 @@ class CalibratedNull:
         block_cells: int = STANDARDISE_CELLS,
         across_rounds: str = "demix",
         spread: float = 0.0,
+        centre: str = "median",
+        cell_weights: str = "round",
     ) -> None:
         """``spill``: a folder where each client's sums ``W_i`` over a row-centred key law
         (KGW's) are kept as float32 files (:class:`~fedattr.attribution.spill.DiskRows`) and
@@ -668,6 +692,12 @@ class CalibratedNull:
         self.few_cells = few_cells
         self.across_rounds = across_rounds
         self.spread = spread  # spread_weights' exponent (rounds read within the round)
+        self.centre = centre  # median, none, or first: see centres()
+        self.cell_weights = cell_weights  # round, or first: see round_weights()
+        # The first round's key-free cell weights, where later rounds read with them.
+        self.first_taper: Parts | None = None
+        self.first_spread: dict[str, torch.Tensor] = {}
+        self.first_round: int | None = None
         # Rounds whose cross-talk is kept, stacked for de-mixing across rounds (see DeMixer).
         self.mixed = DeMixer()
         # Each de-mixed client's W and owners' values (recomputed by settle(); not summed).
@@ -714,7 +744,50 @@ class CalibratedNull:
             TemporaryFolder() if c.spill else None,
             across_rounds=c.across_rounds,
             spread=c.spread,
+            centre=c.centre,
+            cell_weights=c.cell_weights,
         )
+
+    def centres(self, round_id: int) -> bool:
+        """Whether round ``round_id``'s changes are centred by a centre made of the round's
+        clients: always (``centre = "median"``), never (``"none"``), or only in round 1, the one
+        round whose reference model is the base model, which no client's update has reached
+        (``"first"``): from round 2 the reference may have learned a key, every client's change
+        depends on it, and a centre made of the other clients' changes carries their reaction
+        to it (forgetting) into each client's reading."""
+        return self.centre == "median" or (self.centre == "first" and round_id <= 1)
+
+    def round_weights(self, round_id: int, compute: Callable[[], Parts | None]) -> Parts | None:
+        """The key-free cell weights (taper) round ``round_id`` is read with: computed from its
+        own reference model (``cell_weights = "round"``), or the first round's, computed from
+        the base model and kept (``"first"``)."""
+        if self.cell_weights != "first":
+            return compute()
+        if self.first_round is None or round_id <= self.first_round:
+            self.first_round = round_id
+            self.first_taper = compute()
+        return self.first_taper
+
+    def _spread_memory(
+        self, round_id: int
+    ) -> tuple[dict[str, torch.Tensor] | None, Callable[[str, int, torch.Tensor], None] | None]:
+        """(frozen spread weights to read with, a sink that keeps this round's) for a round."""
+        if self.cell_weights != "first":
+            return None, None
+        if self.first_round is not None and round_id > self.first_round and self.first_spread:
+            return self.first_spread, None
+        kept = self.first_spread
+
+        def keep(part: str, lo: int, w: torch.Tensor) -> None:
+            held = kept.get(part)
+            if held is None or held.shape[0] < lo + w.shape[0]:
+                grown = torch.zeros(lo + w.shape[0], w.shape[1], dtype=torch.float32)
+                if held is not None:
+                    grown[: held.shape[0]] = held
+                kept[part] = held = grown
+            held[lo : lo + w.shape[0]] = w.float().cpu()
+
+        return None, keep
 
     def decorrelates(
         self, participants: Sequence[int], targets: Sequence[int], designs: Sequence[QueryDesign]
@@ -806,6 +879,7 @@ class CalibratedNull:
             return self._add_round_by_rows(
                 round_id, participants, targets, designs, changes, center, scorer, weights
             )
+        frozen, keep = self._spread_memory(round_id)
         standard, decorrelated = standardise_round(
             participants,
             targets,
@@ -817,6 +891,9 @@ class CalibratedNull:
             self.token_centring,
             weights,
             spread=self.spread,
+            centre=self.centres(round_id),
+            frozen_spread=frozen,
+            keep_spread=keep,
         )
         self.decorrelated[round_id] = decorrelated
         display: dict[int, dict[str, float]] = {}
@@ -878,6 +955,7 @@ class CalibratedNull:
                     for owner, v in scorer.owner_values_rows(part, moved, lo).items():
                         increments[i][owner] = increments[i].get(owner, 0.0) + v
 
+        frozen, keep = self._spread_memory(round_id)
         decorrelated = standardise_blocks(
             participants,
             targets,
@@ -891,6 +969,9 @@ class CalibratedNull:
             weights,
             self.block_cells,
             spread=self.spread,
+            centre=self.centres(round_id),
+            frozen_spread=frozen,
+            keep_spread=keep,
         )
         self.decorrelated[round_id] = decorrelated
         valid = self._exchangeable(round_id, scorer)
@@ -1013,6 +1094,10 @@ class CalibratedNull:
             # Key-free centre as where cross-talk is undone: a minority of watermarked clients
             # barely moves the cell-wise median.
             C = _median(X) if len(identifiable) > 2 else X.mean(dim=0)
+            if self.centre != "median":
+                # The de-mixed means gather every round, those whose reference may have
+                # learned a key too: no centre of the clients' (see centres()).
+                C = torch.zeros_like(C)
             tokens = self.token_centring and _over_vocabulary(law)
             for k, c in enumerate(identifiable):
                 d = (X[k] - C).reshape(self.mixed.shapes[part])
@@ -1312,6 +1397,11 @@ class CalibratedNull:
             "rounds_read": self.rounds_read,
             "keys": self.keys,
             "mixed": self.mixed.state(),
+            "first": {
+                "round": self.first_round,
+                "taper": self.first_taper,
+                "spread": self.first_spread,
+            },
         }
 
     def load(self, state: Mapping) -> None:
@@ -1328,3 +1418,7 @@ class CalibratedNull:
         self.rounds_read = dict(state.get("rounds_read", {}))
         self.keys = dict(state.get("keys", {}))
         self.mixed = DeMixer.from_state(state.get("mixed"))
+        first = state.get("first") or {}
+        self.first_round = first.get("round")
+        self.first_taper = first.get("taper")
+        self.first_spread = dict(first.get("spread") or {})

@@ -77,6 +77,20 @@ class AttributionConfig:
     key, as the cell-wise median that centres it. 0.25 (default since 2026-11-27) was chosen on
     seeds 100-109; 0 reads every cell as the taper leaves it, as before (see
     :func:`~fedattr.attribution.calibrated.spread_weights`)."""
+    centre: Literal["median", "none", "first"] = "median"
+    """``calibrated``: the centre subtracted from each client's change before it is read.
+    ``median``: the cell-wise median over the round's clients in every round. ``first``: that
+    median in round 1 only, whose reference model is the base model no client's update has
+    reached; from round 2 the reference may have learned a key and every client's change
+    depends on it (a clean client forgets what it learned), so a centre made of the other
+    clients' changes would carry their forgetting into each reading, and a client that updates
+    less than the median would read as evidence. ``none``: no centre in any round (rows are
+    still centred)."""
+    cell_weights: Literal["round", "first"] = "round"
+    """``calibrated`` with KGW: where the key-free cell weights (``taper``, ``spread``) come
+    from. ``round``: each round's own reference model and clients' spread. ``first``: round
+    1's, kept for every later round (round 1's reference is the base model, which no client's
+    update has reached: its weights depend on no key)."""
     spill: bool = False
     """``calibrated``: keep each client's summed change on disk (float32, a temporary folder)
     rather than in memory (float64), and standardise each round a block of rows at a time from

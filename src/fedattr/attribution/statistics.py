@@ -272,7 +272,10 @@ class CalibratedStatistic(Statistic):
         )
         ref_obs = next(reads)
         # Before the candidates are read: its float64 temporaries then sit beside no change.
-        weights = taper_weights(scorer, ref_obs, self.config.taper, self.config.taper_from)
+        weights = self.calibrated.round_weights(
+            estimates.round,
+            lambda: taper_weights(scorer, ref_obs, self.config.taper, self.config.taper_from),
+        )
         # Each reading made into its change as soon as it is read and then dropped: a round
         # holds its changes, not its readings too (11 x 54 MB each at SmolLM2's 275 contexts).
         # A round read by rows keeps its changes on disk as they are made (spilled sums).
