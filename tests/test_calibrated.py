@@ -11,6 +11,7 @@ from fedattr.attribution.scoring import DEFAULT_STATISTIC
 from fedattr.cli import main
 from fedattr.config import ConfigError, load
 from fedattr.errors import UserError
+from fedattr.experiments.calibration import clopper_pearson
 from fedattr.pipeline.config import DemoConfig, RunConfig
 from fedattr.pipeline.run import run_demo
 
@@ -291,7 +292,14 @@ def test_calibration_in_parallel_processes_gives_the_same_runs_and_family_wise_c
         assert [c["p"] for c in a] == [c["p"] for c in b]
     one = json.loads((tmp_path / "one" / "calibration.json").read_text())["statistics"]
     cal = one["calibrated"]
-    assert 0 <= cal["runs_naming_clean"] <= 6 and len(cal["runs_naming_clean_ci95"]) == 2
+    # The family-wise counts are those of the runs' own verdicts, counted afresh here.
+    wrong = 0
+    for r in (0, 3):
+        for seed in range(3):
+            res = json.loads((tmp_path / "one" / f"r{r}-seed{seed}" / "results.json").read_text())
+            wrong += any(c["flagged"] and not c["watermarked"] for c in res["clients"])
+    assert cal["runs_naming_wrong"] == wrong == cal["runs_naming_clean"]
+    assert cal["runs_naming_wrong_ci95"] == pytest.approx(list(clopper_pearson(wrong, 6)))
     # Read again in two processes: the same summary, in the same order.
     assert main([*common, "--jobs", "2", "--reread", "--out", str(tmp_path / "two")]) == 0
     again = json.loads((tmp_path / "two" / "calibration.json").read_text())

@@ -293,9 +293,11 @@ def clopper_pearson(k: int, n: int) -> tuple[float, float]:
     return lo, hi
 
 
-def _null_pvalues(results: dict, view: dict, calibrated: bool) -> list[float]:
-    # One statistic only: the report has no per-statistic components, its clients are them.
-    by_statistic = view["by_statistic"] or {
+def _pairs(results: dict, view: dict) -> list[tuple[int, str, dict, bool]]:
+    """Every (client, owner) reading of a run's view: ``(client, owner, row, own)``, ``own``
+    whether the client trained on that owner's documents. A report of one statistic has no
+    per-owner components: its client rows are the pairs."""
+    by_statistic = view.get("by_statistic") or {
         view["clients"][0]["statistic"]: {str(c["id"]): c for c in view["clients"]}
     }
     owner_of = results.get("federation", {}).get("watermarked", {})
@@ -303,16 +305,49 @@ def _null_pvalues(results: dict, view: dict, calibrated: bool) -> list[float]:
     out = []
     for owner, per in by_statistic.items():
         for cid, row in per.items():
-            if truth[int(cid)] and owner_of.get(cid, owner) == owner:
-                continue  # the watermarked client under its own owner's key: not a null pair
-            out.append(row["p"] if calibrated else float(norm.sf(row["Z"])))
+            # A watermarked client of a run that does not say whose documents it trained on
+            # (the synthetic bed: one watermark) is its owner's under every key.
+            own = bool(truth[int(cid)]) and owner_of.get(cid, owner) == owner
+            out.append((int(cid), owner, row, own))
     return out
 
 
-def _rates(clients: list[dict]) -> tuple[int, int, int, int]:
-    wm = [c for c in clients if c["watermarked"]]
-    clean = [c for c in clients if not c["watermarked"]]
-    return (sum(c["flagged"] for c in wm), len(wm), sum(c["flagged"] for c in clean), len(clean))
+def _null_pvalues(results: dict, view: dict, calibrated: bool) -> list[float]:
+    """The p-values of the null pairs: every (client, owner) where the client did not train on
+    that owner's documents (clean clients, and watermarked clients under another owner's key)."""
+    return [
+        row["p"] if calibrated else float(norm.sf(row["Z"]))
+        for _, _, row, own in _pairs(results, view)
+        if not own
+    ]
+
+
+def wrong_pairs(results: dict, view: dict) -> list[tuple[int, str]]:
+    """The (client, owner) pairs a run's view names although the client did not train on that
+    owner's documents: a clean client named, or a watermarked client named for another owner.
+    A run with any of them made a false accusation; the family-wise level bounds how often."""
+    return [(c, o) for c, o, row, own in _pairs(results, view) if row["flagged"] and not own]
+
+
+def _rates(results: dict, view: dict) -> tuple[int, int, int, int]:
+    """(watermarked clients named for their own owner, watermarked clients, clean clients
+    named, clean clients)."""
+    rows = {c["id"]: c for c in view["clients"]}
+    own_named = {c for c, _, row, own in _pairs(results, view) if own and row["flagged"]}
+    wm = [c for c in rows if rows[c]["watermarked"]]
+    clean = [c for c in rows if not rows[c]["watermarked"]]
+    return (
+        sum(c in own_named for c in wm),
+        len(wm),
+        sum(bool(rows[c]["flagged"]) for c in clean),
+        len(clean),
+    )
+
+
+def level_point(runs: int, alpha: float = 0.01) -> int:
+    """The binomial 95% point of the runs naming a wrong pair at family-wise ``alpha``: a count
+    above it is evidence (at 5%) that the level does not hold."""
+    return int(binom.ppf(0.95, runs, alpha))
 
 
 def _views(runs: list[dict]) -> list[str]:
@@ -342,7 +377,7 @@ def summarize(runs: list[dict]) -> dict:
         for res in runs:
             view = _view(res, name)
             pvals += _null_pvalues(res, view, calibrated)
-            counts += np.array(_rates(view["clients"]))
+            counts += np.array(_rates(res, view))
         p = np.array(pvals)
         levels = {}
         for a in LEVELS:
@@ -356,14 +391,23 @@ def summarize(runs: list[dict]) -> dict:
                 "inside": band[0] <= k / n <= band[1],
             }
         tp, n_wm, fp, n_clean = (int(x) for x in counts)
-        # Family-wise: the runs in which the statistic's own rule names any clean client.
-        naming = 0
+        # Family-wise: the runs in which the statistic's own rule names any (client, owner)
+        # pair where the client did not train on that owner's documents.
+        wrong = clean = 0
         for res in runs:
             view = _view(res, name)
-            naming += any(c["flagged"] and not c["watermarked"] for c in view["clients"])
+            pairs = wrong_pairs(res, view)
+            wrong += bool(pairs)
+            truth = {c["id"]: c["watermarked"] for c in res["clients"]}
+            clean += any(not truth[c] for c, _ in pairs)
+        alpha = float(runs[0].get("alpha", 0.01)) if runs else 0.01
         stats[name] = {
-            "runs_naming_clean": naming,
-            "runs_naming_clean_ci95": list(clopper_pearson(naming, max(1, len(runs)))),
+            "runs_naming_wrong": wrong,
+            "runs_naming_wrong_ci95": list(clopper_pearson(wrong, max(1, len(runs)))),
+            "level_point": level_point(len(runs), alpha),
+            "within_level": wrong <= level_point(len(runs), alpha),
+            "runs_naming_clean": clean,
+            "runs_naming_clean_ci95": list(clopper_pearson(clean, max(1, len(runs)))),
             "null_pairs": len(p),
             "levels": levels,
             "tpr": tp / n_wm if n_wm else None,
@@ -386,9 +430,10 @@ def write_calibration(summary: dict, out: Path) -> None:
         "statistic",
         "null pairs",
         *[f"FPR at α={a} [95% CI]" for a in LEVELS],
-        "named: watermarked",
+        "named: watermarked (own owner)",
         "named: clean",
-        "runs naming a clean client [95% CI]",
+        "runs naming a wrong pair [95% CI]",
+        "of them naming a clean client",
     ]
     by_r = "".join(
         f"\n\n**r = {r}** ({part['runs']} runs)\n\n" + table(head, _rows(part))
@@ -404,11 +449,12 @@ def write_calibration(summary: dict, out: Path) -> None:
         f"Bed `{summary['bed']}`, r ∈ {summary['r']}, {len(summary['seeds'])} seeds, "
         f"{summary['runs']} runs.{reread} FPR: share of null (client, key) pairs with p < α "
         "(✓: inside the binomial 95% interval around α). Named: clients flagged by the "
-        "statistic's own rule (calibrated: family-wise α over clients × owners; paper: Z > γ); "
-        "the last column is the family-wise error the rule is meant to hold at α.\n\n"
-        + table(head, rows)
-        + by_r
-        + "\n\n![QQ plot](qq.png)\n"
+        "statistic's own rule (calibrated: family-wise α over clients × owners; paper: Z > γ), "
+        "a watermarked client counted only when named for its own owner. A wrong pair: a "
+        "(client, owner) named although the client did not train on that owner's documents (a "
+        "clean client, or a watermarked client named for another owner); the runs naming any "
+        "is the family-wise error the rule is meant to hold at α (✓: not above the binomial "
+        "95% point of α over the runs).\n\n" + table(head, rows) + by_r + "\n\n![QQ plot](qq.png)\n"
     )
     (out / "calibration.md").write_text(text)
     _qq_plot(summary, out / "qq.png")
@@ -428,13 +474,14 @@ def _rows(summary: dict) -> list[list]:
             )
         tpr = "–" if s["tpr"] is None else f"{100 * s['tpr']:.1f}% of {s['watermarked']}"
         fpr = "–" if s["fpr_clients"] is None else f"{100 * s['fpr_clients']:.2f}% of {s['clean']}"
-        lo, hi = s["runs_naming_clean_ci95"]
+        lo, hi = s["runs_naming_wrong_ci95"]
+        mark = "✓" if s["within_level"] else "✗"
         fw = (
-            f"{s['runs_naming_clean']} of {summary['runs']} "
-            f"({100 * s['runs_naming_clean'] / max(1, summary['runs']):.2f}% "
-            f"[{100 * lo:.2f}, {100 * hi:.2f}])"
+            f"{s['runs_naming_wrong']} of {summary['runs']} "
+            f"({100 * s['runs_naming_wrong'] / max(1, summary['runs']):.2f}% "
+            f"[{100 * lo:.2f}, {100 * hi:.2f}]) {mark}"
         )
-        rows.append([name, s["null_pairs"], *cells, tpr, fpr, fw])
+        rows.append([name, s["null_pairs"], *cells, tpr, fpr, fw, s["runs_naming_clean"]])
     return rows
 
 
