@@ -181,8 +181,8 @@ def test_a_key_exchangeable_in_round_one_only_is_read_there_or_reported_uncalibr
     rounds = {
         t: A @ np.array([rng.normal(size=dim) + a * key for a in amp]) for t, amp in signal.items()
     }
-    for late in ("skip", "read"):
-        null = CalibratedNull(alpha=0.05, null_keys=0, late_rounds=late)
+    for late, centre in (("skip", "first"), ("read", "every"), ("read", "first")):
+        null = CalibratedNull(alpha=0.05, null_keys=0, late_rounds=late, centre=centre)
         assert null.reads(1, scorer) and null.reads(2, scorer) is (late == "read")
         for t, own in rounds.items():
             changes = [{DEFAULT_STATISTIC: torch.tensor(x)} for x in own]
@@ -196,10 +196,18 @@ def test_a_key_exchangeable_in_round_one_only_is_read_there_or_reported_uncalibr
             # Round 1 alone: exact, calibrated, and it names the client that carried the key.
             assert rep.rounds_read == {DEFAULT_STATISTIC: 1} and not rep.uncalibrated
             assert rep.flagged == [0] and all(c.calibrated for c in rep.clients)
-        else:
-            # Every round read: reported, uncalibrated, names no one without being asked.
+        elif centre == "every":
+            # Every round read centred by the round's median (the statistic before
+            # 2026-11-28): reported, uncalibrated, names no one without being asked.
             assert rep.uncalibrated == [DEFAULT_STATISTIC] and not rep.rounds_read
             assert rep.flagged == [] and not any(c.calibrated for c in rep.clients)
+        else:
+            # Read uncentred after round 1: calibrated under the one assumption left, that a
+            # clean client does not move towards a key its reference learned. Round 2 here
+            # breaks exactly that (every client moves along the key), and clients are named:
+            # what the stress beds measure on real models.
+            assert not rep.uncalibrated and all(c.calibrated for c in rep.clients)
+            assert 0 in rep.flagged
     with pytest.raises(ConfigError, match=r"attribution\.late_rounds"):
         load(RunConfig, None, ["attribution.late_rounds=sometimes"])
 

@@ -673,14 +673,14 @@ class CalibratedNull:
         seed: int = 0,
         name_uncalibrated: bool = False,
         token_centring: bool = False,
-        late_rounds: str = "skip",
+        late_rounds: str = "read",
         few_cells: str = "shifted-keys",
         spill: str | Path | TemporaryFolder | None = None,
         block_cells: int = STANDARDISE_CELLS,
         across_rounds: str = "demix",
         spread: float = 0.0,
-        centre: str = "median",
-        cell_weights: str = "round",
+        centre: str = "first",
+        cell_weights: str = "first",
     ) -> None:
         """``spill``: a folder where each client's sums ``W_i`` over a row-centred key law
         (KGW's) are kept as float32 files (:class:`~fedattr.attribution.spill.DiskRows`) and
@@ -750,12 +750,12 @@ class CalibratedNull:
 
     def centres(self, round_id: int) -> bool:
         """Whether round ``round_id``'s changes are centred by a centre made of the round's
-        clients: always (``centre = "median"``), never (``"none"``), or only in round 1, the one
+        clients: always (``centre = "every"``), never (``"none"``), or only in round 1, the one
         round whose reference model is the base model, which no client's update has reached
         (``"first"``): from round 2 the reference may have learned a key, every client's change
         depends on it, and a centre made of the other clients' changes carries their reaction
         to it (forgetting) into each client's reading."""
-        return self.centre == "median" or (self.centre == "first" and round_id <= 1)
+        return self.centre == "every" or (self.centre == "first" and round_id <= 1)
 
     def round_weights(self, round_id: int, compute: Callable[[], Parts | None]) -> Parts | None:
         """The key-free cell weights (taper) round ``round_id`` is read with: computed from its
@@ -845,6 +845,20 @@ class CalibratedNull:
         n = scorer.exchangeable_rounds
         return n is None or round_id <= n
 
+    def calibrated_in(self, round_id: int, scorer: LinearKeyScorer) -> bool:
+        """Whether round ``round_id``'s reading keeps the p-values calibrated: a round whose key
+        is exchangeable with a random one (the detector says how many are: the reference model
+        has learned no key yet), or a later round read with nothing made of the other clients'
+        changes or of that reference (no centre of the clients', the first round's cell
+        weights), so that a clean client's reading depends on the key only through its own
+        reaction to the reference: forgetting, which reads against the key."""
+        if self._exchangeable(round_id, scorer):
+            return True
+        weighted = isinstance(scorer, ReferenceProbabilities) or (
+            self.spread > 0 and any(_over_vocabulary(law) for law in scorer.key_laws().values())
+        )
+        return not self.centres(round_id) and (self.cell_weights == "first" or not weighted)
+
     def reads(self, round_id: int, scorer: LinearKeyScorer) -> bool:
         """Whether round ``round_id`` is read with ``scorer`` at all: not a round past the
         detector's exchangeable ones when ``late_rounds`` skips them (the caller then reads no
@@ -897,7 +911,7 @@ class CalibratedNull:
         )
         self.decorrelated[round_id] = decorrelated
         display: dict[int, dict[str, float]] = {}
-        valid = self._exchangeable(round_id, scorer)
+        valid = self.calibrated_in(round_id, scorer)
         n = scorer.exchangeable_rounds
         demix = not decorrelated and self.across_rounds == "demix"
         if demix:
@@ -974,7 +988,7 @@ class CalibratedNull:
             keep_spread=keep,
         )
         self.decorrelated[round_id] = decorrelated
-        valid = self._exchangeable(round_id, scorer)
+        valid = self.calibrated_in(round_id, scorer)
         n = scorer.exchangeable_rounds
         for target, v, moved in zip(targets, values, increments, strict=True):
             self._add_values(round_id, target, v, owners, valid, decorrelated, moved or None)
@@ -1094,7 +1108,7 @@ class CalibratedNull:
             # Key-free centre as where cross-talk is undone: a minority of watermarked clients
             # barely moves the cell-wise median.
             C = _median(X) if len(identifiable) > 2 else X.mean(dim=0)
-            if self.centre != "median":
+            if self.centre != "every":
                 # The de-mixed means gather every round, those whose reference may have
                 # learned a key too: no centre of the clients' (see centres()).
                 C = torch.zeros_like(C)

@@ -41,12 +41,14 @@ class AttributionConfig:
     matrix is exact; read as applied, a detector that saturates (FK: a learned fact's
     log-probability) leaves second-order traces of the other clients' updates, watermarked ones
     included, in a clean client's change. ``None``: the detector's own (FK 0.01, KGW 1)."""
-    late_rounds: Literal["skip", "read"] = "skip"
-    """``calibrated``, for a detector whose key is exchangeable with a random one only in the
-    first rounds (FK: only while the reference model has not learned the owners' facts, i.e.
-    round 1). ``skip``: read only those rounds, so its p-values are exact and it names clients.
-    ``read``: read every round (more evidence); its p-values are then reported as uncalibrated
-    and name no one unless ``name_uncalibrated``."""
+    late_rounds: Literal["read", "skip"] = "read"
+    """``calibrated``: the rounds after the first, whose reference model may have learned an
+    owner's key from the watermarked clients (a detector says how many rounds read its key as
+    exchangeable with a random one: 1 for KGW and FK). ``read``: read them too, with nothing
+    made of the other clients' changes or of that reference (see ``centre`` and
+    ``cell_weights``): a clean client's reading then depends on the key only through its own
+    reaction to the reference, forgetting, which reads against the key. ``skip``: read round 1
+    only, whose p-values are exact (less evidence)."""
     token_centring: bool = False
     """``calibrated`` with KGW: remove from each client's change what it does to a token in
     every context alike (drift towards frequent tokens, which no per-context green list is
@@ -77,20 +79,24 @@ class AttributionConfig:
     key, as the cell-wise median that centres it. 0.25 (default since 2026-11-27) was chosen on
     seeds 100-109; 0 reads every cell as the taper leaves it, as before (see
     :func:`~fedattr.attribution.calibrated.spread_weights`)."""
-    centre: Literal["median", "none", "first"] = "median"
+    centre: Literal["first", "none", "every"] = "first"
     """``calibrated``: the centre subtracted from each client's change before it is read.
-    ``median``: the cell-wise median over the round's clients in every round. ``first``: that
-    median in round 1 only, whose reference model is the base model no client's update has
-    reached; from round 2 the reference may have learned a key and every client's change
-    depends on it (a clean client forgets what it learned), so a centre made of the other
-    clients' changes would carry their forgetting into each reading, and a client that updates
-    less than the median would read as evidence. ``none``: no centre in any round (rows are
-    still centred)."""
-    cell_weights: Literal["round", "first"] = "round"
+    ``first`` (default since 2026-11-28): the cell-wise median over the round's clients in
+    round 1 only, whose reference model is the base model that no client's update has reached
+    (a key-free centre that a minority of watermarked clients barely moves). From round 2 the
+    reference may have learned a key and every client's change depends on it (a clean client
+    forgets what the reference learned), so a centre made of the other clients' changes would
+    carry their forgetting into each reading and a client that updates less than the median
+    (a free-rider, a straggler, a small shard) would read as evidence: later rounds are read
+    uncentred (rows are still centred). ``none``: no centre in any round. ``every``: the
+    round's median in every round (the statistic before 2026-11-28; its later rounds are not
+    calibrated once the reference has learned a key)."""
+    cell_weights: Literal["first", "round"] = "first"
     """``calibrated`` with KGW: where the key-free cell weights (``taper``, ``spread``) come
-    from. ``round``: each round's own reference model and clients' spread. ``first``: round
-    1's, kept for every later round (round 1's reference is the base model, which no client's
-    update has reached: its weights depend on no key)."""
+    from. ``first`` (default since 2026-11-28): round 1's (the base model's probabilities, round
+    1's clients' spread), kept for every later round. ``round``: each round's own reference model
+    and clients' spread, which from round 2 depend on what the reference learned (later rounds
+    then uncalibrated)."""
     spill: bool = False
     """``calibrated``: keep each client's summed change on disk (float32, a temporary folder)
     rather than in memory (float64), and standardise each round a block of rows at a time from

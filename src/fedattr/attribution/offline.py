@@ -57,6 +57,8 @@ def attribute_run(run_dir: str | Path) -> tuple[AttributionReport, list[str]]:
             manifest["targets"],
             [design_from_dict(d) for d in manifest["designs"]],
         )
+        if att.late_rounds == "skip" and t > 1:
+            continue  # round 1 only: the rounds whose reference no update has reached
         for owner, s in scores.items():
             if s.get("decorrelated") != null.decorrelated[t]:
                 raise UserError(
@@ -80,6 +82,10 @@ def attribute_run(run_dir: str | Path) -> tuple[AttributionReport, list[str]]:
                     {owner: s["targets"][str(x)]},
                     {owner: law},
                     {owner: owner},
+                    # Calibrated as the server's own reading (CalibratedNull.calibrated_in):
+                    # round 1, or a later round read without the clients' centre, with round
+                    # 1's cell weights.
+                    valid=t <= 1 or (att.centre != "every" and att.cell_weights == "first"),
                     decorrelated=null.decorrelated[t],
                 )
     return null.report(_truth(run)), owners or []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..attribution.round_folder import (
     read_center,
@@ -27,6 +28,9 @@ from ..config import from_dict
 from ..errors import UserError
 from ..pipeline.config import RunConfig
 from ..watermarks.keys import OwnerKey
+
+if TYPE_CHECKING:
+    import torch
 
 Say = Callable[[str], None]
 
@@ -68,6 +72,7 @@ class OwnerScorer:
                 "(watermark.probes=documents); give yours (.jsonl/.json)"
             )
         self.key, self.name = key, f"kgw:{key.fingerprint}"
+        self._first: tuple[dict | None, dict] | None = None  # round 1's cell weights
         model, tokenizer = load_model(cfg.model, say)
         key.check_tokenizer(
             tokenizer,
@@ -128,7 +133,15 @@ class OwnerScorer:
         changes = [scorer.change(ref_obs, o) for o in observed]
         middle = changes.pop() if needs_center else None
         laws = scorer.key_laws()
-        weights = taper_weights(scorer, ref_obs, attribution.taper, attribution.taper_from)
+        t = int(manifest["round"])
+        # As the server's in-process scoring (CalibratedNull): a centre of the clients' only in
+        # round 1, whose reference no update has reached; the cell weights round 1's.
+        first = attribution.cell_weights == "first" and t > 1
+        if first:
+            weights, spread = self._first_weights(folder)
+        else:
+            weights = taper_weights(scorer, ref_obs, attribution.taper, attribution.taper_from)
+            spread = {}
         standard, _ = standardise_round(
             manifest["participants"],
             manifest["targets"],
@@ -140,7 +153,12 @@ class OwnerScorer:
             attribution.token_centring,
             weights,
             spread=attribution.spread,
+            centre=attribution.centre == "every" or (attribution.centre == "first" and t <= 1),
+            frozen_spread=spread if first else None,
+            keep_spread=None if first else (lambda part, lo, w: spread.__setitem__(part, w)),
         )
+        if attribution.cell_weights == "first" and t <= 1:
+            self._keep_first_weights(folder, weights, spread)
         values, tensors = {}, {}
         for target, parts in zip(manifest["targets"], standard, strict=True):
             values[str(target)] = scorer.owner_values("probes", parts["probes"])[self.name]
@@ -156,6 +174,42 @@ class OwnerScorer:
         }
         return write_scores(folder, out, tensors)
 
+    def _weights_file(self, folder: Path) -> Path:
+        return folder / f"weights-{self.key.fingerprint}.safetensors"
+
+    def _keep_first_weights(
+        self, folder: Path, taper: dict | None, spread: dict[str, torch.Tensor]
+    ) -> None:
+        """Round 1's key-free cell weights, kept in memory and beside its scores (a later
+        round scored in another call reads them there)."""
+        from safetensors.torch import save_file
+
+        from ..attribution.round_folder import write_atomic
+
+        self._first = (taper, dict(spread))
+        tensors = {f"taper/{k}": v.float().contiguous() for k, v in (taper or {}).items()}
+        tensors.update({f"spread/{k}": v.float().contiguous() for k, v in spread.items()})
+        write_atomic(self._weights_file(folder), lambda tmp: save_file(tensors, str(tmp)))
+
+    def _first_weights(self, folder: Path) -> tuple[dict | None, dict[str, torch.Tensor]]:
+        """Round 1's key-free cell weights: kept from scoring it, or read beside its scores."""
+        if self._first is not None:
+            return self._first
+        from safetensors.torch import load_file
+
+        for sibling in sorted(folder.parent.glob("round-*")):
+            path = self._weights_file(sibling)
+            if path.is_file() and int(read_manifest(sibling)["round"]) == 1:
+                tensors = load_file(str(path))
+                taper = {k[6:]: v for k, v in tensors.items() if k.startswith("taper/")}
+                spread = {k[7:]: v for k, v in tensors.items() if k.startswith("spread/")}
+                self._first = (taper or None, spread)
+                return self._first
+        raise UserError(
+            f"ROUND_DIR: {str(folder)!r} is read with round 1's cell weights "
+            "(attribution.cell_weights=first); score round 1 first, with the same key"
+        )
+
 
 def score_rounds(
     key: OwnerKey,
@@ -169,6 +223,9 @@ def score_rounds(
     if not paths:
         raise UserError("ROUND_DIR: give at least one round folder")
     manifests = [read_manifest(p) for p in paths]  # every folder checked before any work
+    # In round order: round 1's key-free cell weights read the later rounds.
+    order = sorted(range(len(paths)), key=lambda i: int(manifests[i]["round"]))
+    paths, manifests = [paths[i] for i in order], [manifests[i] for i in order]
     configs = {str(p.parent.resolve()) for p in paths}
     if len(configs) != 1:
         raise UserError("ROUND_DIR: round folders of one run at a time (one rounds/ folder)")

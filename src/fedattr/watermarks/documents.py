@@ -41,7 +41,10 @@ class KGWDocumentScorer:
     a change has one part per owner (named as the owner), which only that owner's key reads.
     """
 
-    exchangeable_rounds: int | None = None
+    exchangeable_rounds: int | None = 1
+    """A random key is exchangeable with an owner's only while no model has learned the owner's
+    documents: in round 1, whose reference is the base model. From round 2 the reference has
+    learned them from the watermarked clients (see ``attribution.late_rounds``)."""
 
     def __init__(
         self,

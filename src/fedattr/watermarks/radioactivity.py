@@ -239,9 +239,11 @@ class KGWReadingScorer:
     sensitive than the difference of two greedy-generation z-scores on small models.
     """
 
-    exchangeable_rounds: int | None = None
-    """A random key's green lists are exchangeable with the owner's in every round (the
-    calibrated null): no model is ever trained towards a key, only on text it marked."""
+    exchangeable_rounds: int | None = 1
+    """A random key's green lists are exchangeable with the owner's while no model has learned
+    text the owner marked: in round 1, whose reference is the base model. From round 2 the
+    reference has learned the watermarked clients' documents and the green bias they carry
+    (see ``attribution.late_rounds``)."""
 
     def __init__(
         self,

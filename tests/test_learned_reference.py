@@ -1,0 +1,69 @@
+"""Rounds whose reference model has learned a key: the mechanisms that named clean clients.
+
+From round 2 the reference carries what the watermarked clients taught it; a clean client
+forgets it (its change moves against the key), and a centre made of the round's clients carries
+that forgetting into every reading, so a client that updates less than the median (a
+free-rider, a straggler, a small shard) reads as evidence. These tests plant the mechanism in
+plain tensors (milliseconds) and check that the default reading does not name such a client,
+while the statistic before (``attribution.centre = "every"``) did.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from fedattr.attribution.calibrated import CalibratedNull
+from fedattr.attribution.design import own_update_design
+from fedattr.attribution.scoring import DEFAULT_STATISTIC, LinearScorer
+
+
+def _planted(centre: str, seed: int = 0, forget: float = 0.3):
+    """K = 10 clients, T = 6 rounds on a 2,048-dimensional change. Client 0 trains on the
+    owner's documents in round 1 only (partial participation); the reference has learned the
+    key from round 2 on, and every clean client that trains forgets it (its change moves by
+    ``-forget`` along the key, on top of a common drift and its own noise); client 9 is a
+    free-rider (a zero update, every round), client 8 a small shard (a tenth of an update)."""
+    rng = np.random.default_rng(seed)
+    dim, K, T = 2048, 10, 6
+    key = torch.tensor(rng.normal(size=dim))
+    key = key / key.norm()
+    scorer = LinearScorer(key)
+    null = CalibratedNull(null_keys=0, centre=centre)
+    for t in range(1, T + 1):
+        clients = list(range(K)) if t == 1 else list(range(1, K))
+        drift = torch.tensor(rng.normal(size=dim)) * 0.02
+        changes = []
+        for c in clients:
+            own = drift + torch.tensor(rng.normal(size=dim)) * 0.05
+            if c == 0:
+                own = own + 2.0 * key  # the watermarked client's signal
+            elif t > 1:
+                own = own - forget * key  # forgetting what the reference learned
+            scale = {9: 0.0, 8: 0.1}.get(c, 1.0)
+            changes.append({DEFAULT_STATISTIC: scale * own})
+        designs = [own_update_design(c, clients) for c in clients]
+        null.add_round(t, clients, clients, designs, changes, None, scorer)
+    return null.report({c: c == 0 for c in range(K)})
+
+
+def test_a_free_rider_and_a_small_shard_read_as_evidence_under_every_rounds_median():
+    rows = {c.id: c for c in _planted("every").clients}
+    assert rows[9].Z > 10 and rows[8].Z > 10
+    # The round's median forgets; the free-rider does not, so centred it reads +forget.
+    assert rows[9].flagged and rows[8].flagged
+    assert rows[0].flagged
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_centred_in_round_one_only_they_are_not_named_and_the_watermarked_client_is(seed):
+    rows = {c.id: c for c in _planted("first", seed).clients}
+    assert rows[0].flagged
+    assert not any(rows[c].flagged for c in range(1, 10))
+    assert rows[9].p == 1.0 or rows[9].log10_p > -1  # a zero update read uncentred: nothing
+
+
+def test_uncentred_later_rounds_read_forgetting_as_evidence_against_the_key():
+    null = _planted("first", forget=0.5)
+    rows = {c.id: c for c in null.clients}
+    clean = [rows[c].Z for c in range(1, 8)]
+    assert max(clean) < 0  # every clean client that trains reads below zero
