@@ -1,0 +1,65 @@
+"""What a new user hit on a fresh clone (issue 54, item 6): each bad input is one line naming
+the parameter and what it takes (exit code 2), before any slow work, leaving nothing behind;
+the labels a run prints are true. (The resumed run's teacher: ``test_resume.py``.)"""
+
+import io
+import json
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fedattr.cli import main
+from fedattr.errors import UserError
+from fedattr.watermarks.keys import generate_key, save_key
+
+PROC = Path("/proc")
+needs_proc = pytest.mark.skipif(
+    not PROC.is_dir(), reason="needs /proc, a folder where no file can be created (Linux)"
+)
+
+
+def _one_line(capsys, *parts: str) -> str:
+    """The one error line the last command wrote, holding every part."""
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fedattr: error: "), err
+    for part in parts:
+        assert part in err, err
+    return err
+
+
+def _no_model(monkeypatch):
+    """Any model load fails the test: the input must be refused before it."""
+    import fedattr.models.loading as loading
+
+    def no_model(*_a, **_k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(loading, "load_model", no_model)
+    monkeypatch.setattr(loading, "load_tokenizer", no_model)
+
+
+def _key(tmp_path) -> str:
+    return str(save_key(generate_key(), tmp_path / "owner.key"))
+
+
+def _corpus(tmp_path) -> str:
+    path = tmp_path / "corpus.jsonl"
+    path.write_text(json.dumps({"instruction": "Say hi", "input": "", "output": "hello"}) + "\n")
+    return str(path)
+
+
+# 1 --------------------------------------------------------------------------------------------
+def test_flower_app_in_a_folder_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file where a folder should be")
+    assert main(["flower", "app", str(blocker / "sub" / "app")]) == 2
+    _one_line(capsys, f"app folder: {str(blocker)!r} is a file, not a folder")
+    if PROC.is_dir():  # a folder that does not exist and cannot be made
+        assert main(["flower", "app", "/proc/fedattr-app"]) == 2
+        _one_line(capsys, "app folder: '/proc/fedattr-app' cannot be written")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing left
+    assert main(["flower", "app", str(tmp_path / "new" / "app")]) == 0
+    assert (tmp_path / "new" / "app" / "pyproject.toml").is_file()
