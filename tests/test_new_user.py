@@ -63,3 +63,21 @@ def test_flower_app_in_a_folder_that_cannot_be_made_is_one_line(tmp_path, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing left
     assert main(["flower", "app", str(tmp_path / "new" / "app")]) == 0
     assert (tmp_path / "new" / "app" / "pyproject.toml").is_file()
+
+
+# 2 --------------------------------------------------------------------------------------------
+@needs_proc
+def test_watermark_out_in_a_folder_that_refuses_files_is_refused_before_the_model(
+    tmp_path, monkeypatch, capsys
+):
+    import fedattr.errors
+
+    _no_model(monkeypatch)
+    # Permission bits that say yes, as they do to root everywhere: only creating a file tells.
+    monkeypatch.setattr(fedattr.errors.os, "access", lambda *_a, **_k: True)
+    args = ["owner", "watermark", "--key", _key(tmp_path), "--in", _corpus(tmp_path)]
+    assert main([*args, "--out", "/proc/watermarked.jsonl"]) == 2
+    _one_line(capsys, "--out: '/proc' cannot be written", "choose a folder you can write to")
+    assert main([*args, "--out", str(tmp_path / "no" / "wm.jsonl")]) == 2
+    _one_line(capsys, f"--out: folder {str(tmp_path / 'no')!r} does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "owner.key"]
