@@ -81,3 +81,27 @@ def test_watermark_out_in_a_folder_that_refuses_files_is_refused_before_the_mode
     assert main([*args, "--out", str(tmp_path / "no" / "wm.jsonl")]) == 2
     _one_line(capsys, f"--out: folder {str(tmp_path / 'no')!r} does not exist")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "owner.key"]
+
+
+# 3 --------------------------------------------------------------------------------------------
+def test_owner_check_reads_stdin_that_is_not_utf8_as_it_reads_the_file(
+    micro, tmp_path, monkeypatch, capsys
+):
+    data = "café au lait".encode("latin-1")
+    (tmp_path / "latin1.txt").write_bytes(data)
+    args = ["owner", "check", "--key", _key(tmp_path), "--model", str(micro[0])]
+    assert main([*args, "--in", str(tmp_path / "latin1.txt")]) == 2
+    by_path = _one_line(capsys, "is not UTF-8 text (invalid continuation byte at byte 3)")
+    # Python's standard input as a C/POSIX locale opens it: bytes that are not UTF-8 come
+    # through as lone surrogates, on which the tokenizer failed with a TypeError.
+    stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert main([*args, "--in", "-"]) == 2
+    by_stdin = _one_line(capsys, "--in: <stdin> is not UTF-8 text")
+    assert by_stdin.replace("<stdin>", "X") == by_path.replace(
+        repr(str(tmp_path / "latin1.txt")), "X"
+    )
+    good = "une tasse de café".encode()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(good), encoding="utf-8"))
+    assert main([*args, "--in", "-", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["documents"][0]["name"] == "<stdin>"
