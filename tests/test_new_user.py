@@ -105,3 +105,20 @@ def test_owner_check_reads_stdin_that_is_not_utf8_as_it_reads_the_file(
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(good), encoding="utf-8"))
     assert main([*args, "--in", "-", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["documents"][0]["name"] == "<stdin>"
+
+
+# 4 --------------------------------------------------------------------------------------------
+def test_owner_scoring_with_the_paper_statistic_is_refused_with_the_settings(
+    tmp_path, monkeypatch, capsys
+):
+    from fedattr.config import load
+    from fedattr.pipeline.config import RunConfig
+
+    sets = ["attribution.scoring=owner", "attribution.statistic=paper"]
+    with pytest.raises(UserError, match=r"needs attribution\.statistic=calibrated"):
+        load(RunConfig, None, sets)
+    _no_model(monkeypatch)  # the teacher needs the model: refused before both
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), *[a for s in sets for a in ("--set", s)]]) == 2
+    _one_line(capsys, "attribution.scoring=owner: needs attribution.statistic=calibrated")
+    assert not out.exists()
