@@ -122,3 +122,26 @@ def test_owner_scoring_with_the_paper_statistic_is_refused_with_the_settings(
     assert main(["run", "--out", str(out), *[a for s in sets for a in ("--set", s)]]) == 2
     _one_line(capsys, "attribution.scoring=owner: needs attribution.statistic=calibrated")
     assert not out.exists()
+
+
+# 5 --------------------------------------------------------------------------------------------
+def test_a_bad_jsonl_row_is_reported_on_its_own_line(tmp_path, monkeypatch, capsys):
+    from fedattr.data.loaders import json_lines_values
+    from fedattr.owner.check import read_documents
+    from fedattr.owner.corpus import read_rows
+
+    row = json.dumps({"instruction": "a", "output": "b"})
+    path = tmp_path / "rows.jsonl"
+    path.write_text(f"{row}\r\n\r\n{{'instruction': 'single quotes'}}\r\n{row}\r\n")
+    with pytest.raises(UserError, match=r"line 3\)"):
+        read_rows(path)
+    with pytest.raises(UserError, match=r"line 3\)"):
+        read_documents(str(path))
+    with pytest.raises(json.JSONDecodeError) as caught:
+        json_lines_values(f"{row}\n{row}\n[1, oops]\n")
+    assert (caught.value.lineno, caught.value.colno) == (3, 5)
+    assert json_lines_values(f"{row}\n\n{row}\n") == [json.loads(row)] * 2
+    _no_model(monkeypatch)
+    args = ["owner", "watermark", "--key", _key(tmp_path), "--in", str(path)]
+    assert main([*args, "--out", str(tmp_path / "wm.jsonl")]) == 2
+    _one_line(capsys, "is not valid JSON Lines (Expecting property name enclosed", "line 3)")

@@ -51,7 +51,7 @@ from scipy.signal import fftconvolve
 from scipy.special import logsumexp
 from scipy.stats import binom, hypergeom
 
-from ..data.loaders import json_lines
+from ..data.loaders import json_lines_values
 from ..errors import UserError
 from ..watermarks.keys import OwnerKey
 from ..watermarks.kgw import KGWDetector
@@ -325,10 +325,7 @@ def _read_stdin(stdin: TextIO) -> str:
 
 def _parse_rows(text: str, jsonl: bool, name: str) -> list:
     try:
-        if jsonl:
-            rows = [json.loads(line) for line in json_lines(text) if line.strip()]
-        else:
-            rows = json.loads(text)
+        rows = json_lines_values(text) if jsonl else json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(
             f"--in: {name} is not valid JSON{' Lines' if jsonl else ''} "
