@@ -145,3 +145,15 @@ def test_a_bad_jsonl_row_is_reported_on_its_own_line(tmp_path, monkeypatch, caps
     args = ["owner", "watermark", "--key", _key(tmp_path), "--in", str(path)]
     assert main([*args, "--out", str(tmp_path / "wm.jsonl")]) == 2
     _one_line(capsys, "is not valid JSON Lines (Expecting property name enclosed", "line 3)")
+
+
+# 6 --------------------------------------------------------------------------------------------
+def test_a_descending_seed_range_says_it_is_empty_and_what_is_expected(tmp_path, capsys):
+    out = str(tmp_path / "exp")
+    assert main(["experiment", "main", "--seeds", "5-1", "--out", out]) == 2
+    _one_line(capsys, "--seeds: the range '5-1' is empty (it runs down)", "FIRST <= LAST")
+    assert main(["experiment", "main", "--seeds", ",", "--out", out]) == 2
+    _one_line(capsys, "--seeds: none given", "e.g. 1,2,3 or 0-199")
+    assert main(["experiment", "calibration", "--r", "3-0", "--out", out]) == 2
+    _one_line(capsys, "--r: the range '3-0' is empty")
+    assert not (tmp_path / "exp").exists()
