@@ -157,3 +157,12 @@ def test_a_descending_seed_range_says_it_is_empty_and_what_is_expected(tmp_path,
     assert main(["experiment", "calibration", "--r", "3-0", "--out", out]) == 2
     _one_line(capsys, "--r: the range '3-0' is empty")
     assert not (tmp_path / "exp").exists()
+
+
+# 7 --------------------------------------------------------------------------------------------
+def test_detect_with_a_model_that_is_not_there_names_model(tmp_path, monkeypatch, capsys):
+    _no_model(monkeypatch)
+    missing = str(tmp_path / "nonexistent")
+    assert main(["owner", "detect", "--key", _key(tmp_path), "--model", missing]) == 2
+    err = _one_line(capsys, f"--model: {missing!r} does not exist")
+    assert "--reference" not in err
