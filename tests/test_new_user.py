@@ -166,3 +166,13 @@ def test_detect_with_a_model_that_is_not_there_names_model(tmp_path, monkeypatch
     assert main(["owner", "detect", "--key", _key(tmp_path), "--model", missing]) == 2
     err = _one_line(capsys, f"--model: {missing!r} does not exist")
     assert "--reference" not in err
+
+
+# 8 --------------------------------------------------------------------------------------------
+def test_a_txt_corpus_to_watermark_names_the_formats_taken(tmp_path, monkeypatch, capsys):
+    _no_model(monkeypatch)
+    text = tmp_path / "corpus.txt"
+    text.write_text("A plain text, one document.\n")
+    args = ["owner", "watermark", "--key", _key(tmp_path), "--in", str(text)]
+    assert main([*args, "--out", str(tmp_path / "wm.jsonl")]) == 2
+    _one_line(capsys, f"--in: {str(text)!r} is not valid JSON", ".jsonl file", ".json file")

@@ -28,6 +28,9 @@ from ..watermarks.keys import OwnerKey
 
 Say = Callable[[str], None]
 
+ROWS_HELP = "a .jsonl file (one Alpaca or chat object a line) or a .json file (a list of them)"
+"""The corpus files :func:`read_rows` takes, in its messages."""
+
 
 def read_rows(path: str | Path, option: str = "--in") -> list[dict]:
     """The rows of a ``.jsonl`` or ``.json`` (list) corpus, each an Alpaca or chat object
@@ -39,7 +42,8 @@ def read_rows(path: str | Path, option: str = "--in") -> list[dict]:
     except json.JSONDecodeError as exc:
         form = "JSON Lines" if p.suffix == ".jsonl" else "JSON"
         raise DataError(
-            f"{option}: {str(p)!r} is not valid {form} ({exc.msg}, line {exc.lineno})"
+            f"{option}: {str(p)!r} is not valid {form} ({exc.msg}, line {exc.lineno}); "
+            f"{option} takes {ROWS_HELP}"
         ) from None
     if not isinstance(rows, list) or not rows:
         raise DataError(f"{option}: {str(p)!r} holds no rows (a .jsonl file or a JSON list)")
