@@ -176,3 +176,20 @@ def test_a_txt_corpus_to_watermark_names_the_formats_taken(tmp_path, monkeypatch
     args = ["owner", "watermark", "--key", _key(tmp_path), "--in", str(text)]
     assert main([*args, "--out", str(tmp_path / "wm.jsonl")]) == 2
     _one_line(capsys, f"--in: {str(text)!r} is not valid JSON", ".jsonl file", ".json file")
+
+
+# 9 --------------------------------------------------------------------------------------------
+def test_audit_cross_round_without_json_prints_the_cross_round_audit(tmp_path, capsys):
+    from fedattr.config import load
+    from fedattr.pipeline.config import DemoConfig
+    from fedattr.pipeline.run import run_demo
+
+    cfg = load(DemoConfig, None, ["synthetic.dim=32", "synthetic.rounds=2"])
+    run_demo(cfg, progress=lambda _m: None).write(tmp_path / "run")
+    assert main(["audit", str(tmp_path / "run")]) == 0
+    both = capsys.readouterr().out
+    assert both.startswith("| round | session |") and "## Across rounds" in both
+    assert main(["audit", str(tmp_path / "run"), "--cross-round"]) == 0
+    alone = capsys.readouterr().out
+    assert alone.startswith("## Across rounds") and "| round | session |" not in alone
+    assert alone.strip() in both
