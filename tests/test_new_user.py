@@ -193,3 +193,9 @@ def test_audit_cross_round_without_json_prints_the_cross_round_audit(tmp_path, c
     alone = capsys.readouterr().out
     assert alone.startswith("## Across rounds") and "| round | session |" not in alone
     assert alone.strip() in both
+
+
+# 10 -------------------------------------------------------------------------------------------
+def test_bench_secagg_refuses_a_subset_of_one(capsys):
+    assert main(["bench", "secagg", "--members", "1", "--dim", "8", "--repeats", "1"]) == 2
+    _one_line(capsys, "--members: clients in the queried subset, must be >= 2", "got 1")
