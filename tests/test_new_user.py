@@ -199,3 +199,36 @@ def test_audit_cross_round_without_json_prints_the_cross_round_audit(tmp_path, c
 def test_bench_secagg_refuses_a_subset_of_one(capsys):
     assert main(["bench", "secagg", "--members", "1", "--dim", "8", "--repeats", "1"]) == 2
     _one_line(capsys, "--members: clients in the queried subset, must be >= 2", "got 1")
+
+
+# 11 -------------------------------------------------------------------------------------------
+def test_the_gguf_dequantising_bar_is_off_when_stderr_is_not_a_terminal(
+    tmp_path, monkeypatch, capsys
+):
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    import fedattr.models.loading as loading
+    from fedattr.models.config import ModelConfig
+
+    def from_pretrained(source, **kwargs):
+        """What transformers does with a GGUF file: a tqdm bar over its tensors."""
+        assert kwargs.get("gguf_file") == "model.gguf"
+        for _ in gguf_utils.tqdm(range(5), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        return SimpleNamespace(
+            pad_token_id=0, to=lambda _device: None, eval=lambda: None, eos_token="</s>"
+        )
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    (tmp_path / "model.gguf").write_bytes(b"")
+    cfg = ModelConfig(preset="hf", name_or_path=str(tmp_path / "model.gguf"), device="cpu")
+    capsys.readouterr()
+    loading.load_model(cfg)
+    loading.load_tokenizer(cfg)
+    assert "de-quantizing" not in capsys.readouterr().err  # captured: not a terminal
+    assert gguf_utils.tqdm is not None and not hasattr(gguf_utils.tqdm, "func")  # restored
+    monkeypatch.setattr(loading, "_is_terminal", lambda _stream: True)
+    loading.load_model(cfg)  # on a terminal the bar stays: it shows a long load moving
+    assert "de-quantizing" in capsys.readouterr().err
