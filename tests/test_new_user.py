@@ -232,3 +232,46 @@ def test_the_gguf_dequantising_bar_is_off_when_stderr_is_not_a_terminal(
     monkeypatch.setattr(loading, "_is_terminal", lambda _stream: True)
     loading.load_model(cfg)  # on a terminal the bar stays: it shows a long load moving
     assert "de-quantizing" in capsys.readouterr().err
+
+
+# 13 -------------------------------------------------------------------------------------------
+def test_a_tail_that_is_an_upper_bound_is_labelled_one(tmp_path):
+    from fedattr.attribution.calibrated import BOUNDS
+    from fedattr.attribution.stouffer import AttributionReport, ClientAttribution
+    from fedattr.reporting.markdown import UPPER_BOUNDS, attribution_table
+
+    assert set(UPPER_BOUNDS) == set(BOUNDS)
+
+    def client(i: int, tail: str) -> ClientAttribution:
+        return ClientAttribution(
+            id=i,
+            z={1: 1.0},
+            Z=1.0,
+            p=0.5,
+            log10_p=-0.3,
+            flagged=False,
+            watermarked=False,
+            statistic="kgw:owner0",
+            p_rank=0.5,
+            tail=tail,
+        )
+
+    bounded = AttributionReport(
+        4.0, [client(0, "chernoff"), client(1, "exact")], statistic="calibrated", alpha=0.01
+    )
+    text = attribution_table(bounded)
+    assert "| chernoff (upper bound) |" in text and "| exact |" in text
+    assert "or an upper bound on it, where the tail says so" in text
+    exact = AttributionReport(4.0, [client(0, "exact")], statistic="calibrated", alpha=0.01)
+    assert "upper bound" not in attribution_table(exact)
+    pytest.importorskip("matplotlib", reason="the plots extra is not installed")
+    from fedattr.reporting.plots import build_attribution_figure
+
+    for report, label in ((bounded, "exact tail or its upper bound"), (exact, "(exact tail,")):
+        fig = build_attribution_figure(report)
+        try:
+            assert label in fig.axes[1].get_ylabel()
+        finally:
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
