@@ -275,3 +275,22 @@ def test_a_tail_that_is_an_upper_bound_is_labelled_one(tmp_path):
             import matplotlib.pyplot as plt
 
             plt.close(fig)
+
+
+# 14 -------------------------------------------------------------------------------------------
+def test_getting_started_shows_the_teacher_line_the_run_prints(monkeypatch):
+    import fedattr.watermarks.registry as registry
+    from fedattr.data.records import Record
+    from fedattr.watermarks.config import WatermarkConfig
+
+    monkeypatch.setattr(registry, "watermark_records", lambda *_a, **_k: [])
+    said: list[str] = []
+    shard = [Record("i", "o")] * 200
+    registry.WATERMARKS["kgw"].documents(
+        WatermarkConfig(), None, None, "kgw:owner0", None, 0, shard, 40, 0, said.append
+    )
+    page = (Path(__file__).parents[1] / "docs" / "getting-started.md").read_text()
+    assert said == ["teacher: watermarking 40 of 200 client 0's documents (kgw:owner0)"]
+    # on a terminal the line as said, piped with the elapsed time before it
+    assert f"\n{said[0]}\n" in page
+    assert re.search(r"\n\[\dm\d\ds\] " + re.escape(said[0]) + "\n", page)
