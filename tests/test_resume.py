@@ -46,7 +46,11 @@ def test_killed_run_resumes_to_the_same_results(tiny_cache, tmp_path, capsys):
     assert torch.load(ckpt, weights_only=False)["round"] == done
     calibrated["format"] = 2
     torch.save(saved, ckpt)
+    # The teacher's documents were kept beside the checkpoint: the resume restores them.
+    assert (killed / "checkpoint" / "teacher-documents.json").is_file()
     assert main(["run", "--resume", str(killed)]) == 0
+    err = capsys.readouterr().err
+    assert "restored from the run folder" in err and "teacher: watermarking" not in err
     assert not (killed / "checkpoint").exists()
 
     whole = tmp_path / "whole"
@@ -55,6 +59,8 @@ def test_killed_run_resumes_to_the_same_results(tiny_cache, tmp_path, capsys):
     b = json.loads((whole / "results.json").read_text())
     for key in ("tpr", "fpr", "flagged", "clients", "sa_queries", "federation", "by_statistic"):
         assert a[key] == b[key], key
+    # The teacher's documents are counted once (issue 54: 232 against 116 on a resume).
+    assert a["work"]["teacher_documents"] == b["work"]["teacher_documents"] > 0
     assert _query_log(killed) == _query_log(whole)
 
 

@@ -71,6 +71,21 @@ def not_writable(path: str | Path, option: str, exc: OSError | None = None) -> U
     )
 
 
+def _refused_write(folder: Path) -> OSError | None:
+    """Why a file cannot be created in the existing ``folder``, found by creating one (and
+    removing it); ``None`` when it can. Permission bits do not say it all: they let root write
+    anywhere, and know nothing of a read-only file system (``/proc``, a read-only mount)."""
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(prefix=".fedattr-probe-", dir=folder)
+    except OSError as exc:
+        return exc
+    os.close(fd)
+    os.unlink(name)
+    return None
+
+
 def require_writable_folder(folder: str | Path, option: str) -> Path:
     """``folder`` when it is an existing folder this process may create files in; else one
     line naming ``option``. Checked before work starts, so no work is lost to it."""
@@ -81,6 +96,9 @@ def require_writable_folder(folder: str | Path, option: str) -> Path:
         raise UserError(f"{option}: folder {str(p)!r} does not exist")
     if not os.access(p, os.W_OK | os.X_OK):
         raise not_writable(p, option)
+    refused = _refused_write(p)
+    if refused is not None:
+        raise not_writable(p, option, refused)
     return p
 
 
@@ -94,6 +112,9 @@ def require_creatable_folder(folder: str | Path, option: str) -> Path:
     existing = next(q for q in (p, *p.parents, Path.cwd()) if q.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise not_writable(existing, option)
+    refused = _refused_write(existing)
+    if refused is not None:
+        raise not_writable(existing, option, refused)
     return p
 
 

@@ -174,6 +174,12 @@ class AttributionConfig:
 
     def __post_init__(self) -> None:
         check_literal(self, "attribution", DesignError)
+        if self.scoring == "owner" and self.statistic != "calibrated":
+            # refused with the settings, not once the run has reached its first round
+            raise DesignError(
+                f"attribution.scoring=owner: needs attribution.statistic=calibrated (owners "
+                f"return key statistics, not the paper's z), got statistic={self.statistic!r}"
+            )
         if not 0.0 < self.alpha < 1.0:
             raise DesignError(f"attribution.alpha: must be in (0, 1), got {self.alpha!r}")
         step = self.reading_step

@@ -12,17 +12,25 @@ from .common import PRESET_HELP, config_options, say
 
 def _parse_seeds(text: str, option: str = "--seeds") -> list[int]:
     """``1,2,3`` or a range ``0-199`` (or both: ``0-9,20``)."""
+    form = "comma-separated integers or ranges FIRST-LAST, e.g. 1,2,3 or 0-199 or 0-9,20"
     out: list[int] = []
     try:
         for part in (x.strip() for x in text.split(",")):
             if not part:
                 continue
             lo, sep, hi = part.partition("-")
+            if sep and lo and int(hi) < int(lo):
+                raise UserError(
+                    f"{option}: the range {part!r} is empty (it runs down); a range is "
+                    f"FIRST-LAST with FIRST <= LAST, e.g. {int(hi)}-{int(lo)}"
+                )
             out += list(range(int(lo), int(hi) + 1)) if sep and lo else [int(part)]
+    except UserError:
+        raise
     except ValueError:
-        raise UserError(
-            f"{option}: comma-separated integers or ranges, e.g. 1,2,3 or 0-199; got {text!r}"
-        ) from None
+        raise UserError(f"{option}: {form}; got {text!r}") from None
+    if not out:
+        raise UserError(f"{option}: none given: {form}; got {text!r}")
     return out
 
 

@@ -169,7 +169,9 @@ def _cmd_owner_detect(args: argparse.Namespace) -> int:
             "its adapter, or another model)"
         )
     detectors = ["reading", "greedy"] if args.detector == "both" else [args.detector]
-    # Everything checkable before a model is loaded (seconds to minutes).
+    # Everything checkable before a model is loaded (seconds to minutes); --model first: a
+    # model that is not there is the first thing to say, before what the test needs beside it.
+    config = _model_config(args.model, args.cache_dir)
     if "reading" in detectors and not (args.lora or args.reference):
         raise UserError(
             "--reference: the reading test needs the model the candidate was "
@@ -181,7 +183,6 @@ def _cmd_owner_detect(args: argparse.Namespace) -> int:
     if "reading" in detectors and args.null_keys < 20:
         raise UserError(f"--null-keys: must be >= 20, got {args.null_keys}")
     texts = _owner_texts(args.texts, args.count)
-    config = _model_config(args.model, args.cache_dir)
     reference_config = (
         _model_config(args.reference, args.cache_dir, "--reference") if args.reference else None
     )

@@ -108,17 +108,21 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         else:  # the per-round list alone, as before --cross-round existed
             print(json.dumps(listed, indent=2))
         return 0
-    print(audit_table(rounds))
-    exposed = sum(len(r.recoverable) for r in rounds)
-    print(
-        f"\n{exposed} client-rounds exactly recoverable from the answered queries"
-        if exposed
-        else "\nno client's update is exactly recoverable in any round"
-    )
-    for a in across:
-        name = f" (session {a.session})" if a.session else ""
+    if not args.cross_round:  # the per-round audit, then the cross-round one
+        print(audit_table(rounds))
+        exposed = sum(len(r.recoverable) for r in rounds)
         print(
-            f"\n## Across rounds{name}: {a.rounds} rounds stacked, rank {a.rank} of "
+            f"\n{exposed} client-rounds exactly recoverable from the answered queries"
+            if exposed
+            else "\nno client's update is exactly recoverable in any round"
+        )
+    elif not across:
+        print("no SA answers released: nothing to stack across rounds")
+    for i, a in enumerate(across):
+        name = f" (session {a.session})" if a.session else ""
+        gap = "" if args.cross_round and i == 0 else "\n"  # alone: no blank line first
+        print(
+            f"{gap}## Across rounds{name}: {a.rounds} rounds stacked, rank {a.rank} of "
             f"{len(a.clients)}\n\n"
             "Model: each update is the client's persistent mean plus independent round noise; "
             "the mean is identifiable when e_j lies in the stacked rows' span, and its best "
@@ -185,7 +189,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--cross-round",
         dest="cross_round",
         action="store_true",
-        help="with --json: print an object, the rounds' list under 'rounds' and the "
-        "cross-round audit per SA session under 'cross_round'",
+        help="the cross-round audit: alone (without it the text report has the per-round "
+        "audit, then this one); with --json an object, the rounds' list under 'rounds' and "
+        "the cross-round audit per SA session under 'cross_round'",
     )
     audit.set_defaults(func=_cmd_audit, threads=False)

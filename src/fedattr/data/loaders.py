@@ -55,6 +55,22 @@ def json_lines(text: str) -> list[str]:
     return [line.rstrip("\r") for line in text.split("\n")]
 
 
+def json_lines_values(text: str) -> list[Any]:
+    """The values of a JSON Lines text (split as :func:`json_lines`), blank lines skipped. A
+    line that is not JSON raises :class:`json.JSONDecodeError` located in the whole text, so
+    its ``lineno`` is the line's own number (a line parsed alone is always "line 1")."""
+    out, start = [], 0
+    for raw in text.split("\n"):
+        line = raw.rstrip("\r")
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise json.JSONDecodeError(exc.msg, text, start + exc.pos) from None
+        start += len(raw) + 1
+    return out
+
+
 def _rows_from_file(path: Path, option: str) -> Iterable[tuple[str, Mapping[str, Any]]]:
     text = read_text(path, option, DataError)
     if path.suffix == ".jsonl":

@@ -83,8 +83,12 @@ def bench_secagg(
     """Time ``repeats`` queries over ``members`` clients of ``dim`` float32 coordinates each."""
     if dim < 1:
         raise UserError(f"--dim: must be >= 1, got {dim}")
-    if members < 1:
-        raise UserError(f"--members: must be >= 1, got {members}")
+    if members < 2:
+        # one member's "secure sum" is its own update: no pair to mask, nothing to time
+        raise UserError(
+            f"--members: clients in the queried subset, must be >= 2 (a sum of one client is "
+            f"its update), got {members}"
+        )
     if repeats < 1:
         raise UserError(f"--repeats: must be >= 1, got {repeats}")
     names = list(backends or BACKENDS)

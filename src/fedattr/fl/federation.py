@@ -3,6 +3,7 @@ the detection data (the data/model stage of a run, before any FL round)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,10 +113,22 @@ def _clean_data(
 
 
 def build_federation(
-    data: DataConfig, wm: WatermarkConfig, K: int, seed: int, model, tokenizer, say: Progress
+    data: DataConfig,
+    wm: WatermarkConfig,
+    K: int,
+    seed: int,
+    model,
+    tokenizer,
+    say: Progress,
+    documents: dict[str, Any] | None = None,
 ) -> Federation:
-    """Load and split data, then give each watermarked client its owner's documents."""
+    """Load and split data, then give each watermarked client its owner's documents.
+
+    ``documents``: a JSON-ready store of the owners' documents, keyed by owner, client and
+    seed: those it holds are taken from it (the teacher does not run again for them: a
+    resumed run), the others are written and added to it."""
     records, detect = _clean_data(data, wm, K)
+    kind = WATERMARKS[wm.kind]
     if data.partition == "iid":
         shards = partition_iid(records, K, seed=data.seed)
     elif data.partition == "quantity":
@@ -123,9 +136,25 @@ def build_federation(
     else:
         shards = partition_dirichlet(records, K, data.dirichlet_alpha, seed=data.seed)
     clients = watermarked_clients(wm, K, seed)
-    kind = WATERMARKS[wm.kind]
     texts = [f"{r.instruction} {r.input} {r.output}" for r in records + detect]
     owners = kind.owners(wm, len(tokenizer), len(clients), texts)
+
+    def owner_documents(
+        owner: str, client: int | None, source: list[Record], n: int, doc_seed: int
+    ) -> tuple[list[Record], float | None]:
+        key = f"{owner}/{client}/{doc_seed}"
+        if documents is not None and key in documents:
+            kept = documents[key]
+            whose = f"client {client}'s" if client is not None else "held-out (no client's)"
+            say(f"{len(kept['docs'])} of {whose} documents ({owner}) restored from the run folder")
+            return [Record(**d) for d in kept["docs"]], kept["share"]
+        docs, share = kind.documents(
+            wm, model, tokenizer, owner, owners[owner], client, source, n, doc_seed, say
+        )
+        if documents is not None:
+            documents[key] = {"docs": [dataclasses.asdict(d) for d in docs], "share": share}
+        return docs, share
+
     names = sorted(owners)
     owner_of, wm_docs, share = {}, {}, {}
     owner_docs: dict[str, list[Record]] = {o: [] for o in names}
@@ -133,9 +162,7 @@ def build_federation(
         owner = names[k % len(names)]
         shard = shards[client]
         n = max(1, round(wm.ratio * len(shard)))
-        docs, docs_share = kind.documents(
-            wm, model, tokenizer, owner, owners[owner], client, shard, n, seed * 1000 + client, say
-        )
+        docs, docs_share = owner_documents(owner, client, shard, n, seed * 1000 + client)
         if docs_share is not None:
             share[client] = docs_share
         # Dropped (too short) documents leave their clean originals out: the client's share of
@@ -152,18 +179,7 @@ def build_federation(
         idle = [o for o in names if not owner_docs[o]]
         for k, owner in enumerate(idle):
             source = [detect[(k * n + j) % len(detect)] for j in range(n)]
-            docs, _ = kind.documents(
-                wm,
-                model,
-                tokenizer,
-                owner,
-                owners[owner],
-                None,
-                source,
-                n,
-                seed * 1000 + K + k,
-                say,
-            )
+            docs, _ = owner_documents(owner, None, source, n, seed * 1000 + K + k)
             owner_docs[owner] = docs
     prompts = [format_prompt(tokenizer, r) for r in detect]
     return Federation(shards, owner_of, owners, prompts, list(detect), wm_docs, share, owner_docs)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError
+from ..errors import UserError, not_writable
 
 Say = Callable[[str], None]
 
@@ -64,8 +64,20 @@ def write_app(folder: str | Path) -> Path:
     path = Path(folder)
     if path.exists() and not path.is_dir():
         raise UserError(f"app folder: {str(path)!r} is a file; give a folder")
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "pyproject.toml").write_text(APP_TOML.format(version=__version__))
+    made = [p for p in (path, *path.parents) if not p.exists()]  # innermost first
+    toml = path / "pyproject.toml"
+    new = not toml.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        toml.write_text(APP_TOML.format(version=__version__))
+    except OSError as exc:  # a read-only place, a file where a parent folder should be
+        if new:  # leave nothing behind: a half-written file, the folders made here
+            with contextlib.suppress(OSError):
+                toml.unlink()
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise not_writable(path, "app folder", exc) from None
     return path
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 import socket
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -197,13 +199,47 @@ def load_tokenizer(cfg: ModelConfig, progress: Callable[[str], None] | None = No
 
     source, kwargs = model_source(cfg, progress)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        with _gguf_bar_off_unless_terminal("gguf_file" in kwargs):
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     except Exception as exc:  # as load_model: one clear line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"model: could not load the tokenizer of {source!r}: {first}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_bar_off_unless_terminal(gguf: bool) -> Iterator[None]:
+    """Loading a GGUF file (``gguf``), transformers draws its "de-quantizing GGUF tensors" bar
+    with ``tqdm`` itself, past its own ``disable_progress_bar()``: where standard error is not
+    a terminal (a log file, a pipe), that bar is off for the ``with`` block, so a log holds
+    fedattr's lines and not hundreds of redrawn bars. On a terminal it is kept (it shows a
+    load of ~25 s moving)."""
+    if not gguf or _is_terminal(sys.stderr):
+        yield
+        return
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support: no bar to silence
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
+def _is_terminal(stream: object) -> bool:
+    try:
+        return bool(stream.isatty())  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):  # no such method, or a closed stream
+        return False
 
 
 def load_model(cfg: ModelConfig, progress: Callable[[str], None] | None = None):
@@ -217,8 +253,9 @@ def load_model(cfg: ModelConfig, progress: Callable[[str], None] | None = None):
     dtype = resolve_dtype(cfg.dtype, device)
     source, kwargs = model_source(cfg, progress)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+        with _gguf_bar_off_unless_terminal("gguf_file" in kwargs):
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except Exception as exc:  # OSError, ValueError, ImportError...: one clear line for the user
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"model: could not load {source!r}: {first}") from exc

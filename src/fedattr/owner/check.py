@@ -51,7 +51,7 @@ from scipy.signal import fftconvolve
 from scipy.special import logsumexp
 from scipy.stats import binom, hypergeom
 
-from ..data.loaders import json_lines
+from ..data.loaders import json_lines_values
 from ..errors import UserError
 from ..watermarks.keys import OwnerKey
 from ..watermarks.kgw import KGWDetector
@@ -274,7 +274,7 @@ def read_documents(
     ``assistant``, one text each); any other file is one plain-text document; ``-`` reads
     standard input, as rows when it parses as JSON rows, else as one text."""
     if path == "-":
-        text, name = (stdin or sys.stdin).read(), "<stdin>"
+        text, name = _read_stdin(stdin or sys.stdin), "<stdin>"
         if not text.strip():
             raise UserError(f"--in: {name} is empty: no text to check ({IN_HELP})")
         start = text.lstrip()[:1]
@@ -306,12 +306,26 @@ def read_documents(
     return [Document(p.name, (text,))]
 
 
+def _read_stdin(stdin: TextIO) -> str:
+    """Standard input's text, decoded strictly as UTF-8 as a file given by path is, else one
+    line naming ``--in``. (Under a C or POSIX locale, or in UTF-8 mode, Python's own standard
+    input hands bytes that are not UTF-8 on as lone surrogates (``surrogateescape``), on which
+    a tokenizer then fails.) A stream without bytes beneath it (a test's ``StringIO``) is read
+    as text."""
+    buffer = getattr(stdin, "buffer", None)
+    if buffer is None:
+        return stdin.read()
+    try:
+        return buffer.read().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"--in: <stdin> is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
+
+
 def _parse_rows(text: str, jsonl: bool, name: str) -> list:
     try:
-        if jsonl:
-            rows = [json.loads(line) for line in json_lines(text) if line.strip()]
-        else:
-            rows = json.loads(text)
+        rows = json_lines_values(text) if jsonl else json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(
             f"--in: {name} is not valid JSON{' Lines' if jsonl else ''} "

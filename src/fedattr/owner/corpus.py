@@ -21,12 +21,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..data.loaders import DataError, json_lines, record_from_mapping
+from ..data.loaders import DataError, json_lines, json_lines_values, record_from_mapping
 from ..data.records import Record
 from ..errors import UserError, read_text, require_file, require_writable_folder
 from ..watermarks.keys import OwnerKey
 
 Say = Callable[[str], None]
+
+ROWS_HELP = "a .jsonl file (one Alpaca or chat object a line) or a .json file (a list of them)"
+"""The corpus files :func:`read_rows` takes, in its messages."""
 
 
 def read_rows(path: str | Path, option: str = "--in") -> list[dict]:
@@ -35,13 +38,12 @@ def read_rows(path: str | Path, option: str = "--in") -> list[dict]:
     p = require_file(path, option, "a .jsonl or .json file", error=DataError)
     text = read_text(p, option, DataError)
     try:
-        if p.suffix == ".jsonl":
-            rows = [json.loads(line) for line in json_lines(text) if line.strip()]
-        else:
-            rows = json.loads(text)
+        rows = json_lines_values(text) if p.suffix == ".jsonl" else json.loads(text)
     except json.JSONDecodeError as exc:
+        form = "JSON Lines" if p.suffix == ".jsonl" else "JSON"
         raise DataError(
-            f"{option}: {str(p)!r} is not valid JSON ({exc.msg}, line {exc.lineno})"
+            f"{option}: {str(p)!r} is not valid {form} ({exc.msg}, line {exc.lineno}); "
+            f"{option} takes {ROWS_HELP}"
         ) from None
     if not isinstance(rows, list) or not rows:
         raise DataError(f"{option}: {str(p)!r} holds no rows (a .jsonl file or a JSON list)")

@@ -314,11 +314,18 @@ def run_experiment(
     saved = folder.load_checkpoint() if folder is not None else None
     with timing.measure("load_s"):
         model, tokenizer = load_model(cfg.model, say)
+    # The teacher's documents of an earlier session of this run: restored, not written again.
+    documents = folder.load_documents() if folder is not None else {}
+    restored = bool(documents)
     with timing.measure("teacher_s"):
         fed = build_federation(
-            cfg.data, cfg.watermark, cfg.fl.K, cfg.fl.seed, model, tokenizer, say
+            cfg.data, cfg.watermark, cfg.fl.K, cfg.fl.seed, model, tokenizer, say, documents
         )
-    timing.count("teacher_documents", sum(fed.wm_docs.values()))
+    if folder is not None and not restored:
+        folder.save_documents(documents)
+    if saved is None and not restored:
+        # Counted once: a checkpoint carries the first session's count (and time).
+        timing.count("teacher_documents", sum(fed.wm_docs.values()))
     profiles = resolve_profiles(cfg.fl.clients, cfg.fl.K, sorted(fed.owner_of), cfg.fl.seed)
     model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
     server, client = make_strategy(cfg.fl, cfg.lora)

@@ -37,6 +37,19 @@ def p_value(p: float | None, log10_p: float | None = None) -> str:
     return f"1e{log10_p:.0f}" if log10_p is not None else "<1e-300"
 
 
+UPPER_BOUNDS = ("patterns", "chernoff")
+"""The calibrated statistic's tail methods that give an upper bound on the tail, not the tail
+(``attribution.calibrated.BOUNDS``): a p from one is conservative."""
+
+
+def tail_label(method: str | None) -> str:
+    """A tail method as the report names it: ``exact``, ``saddlepoint``, ``shifted-keys``, or
+    ``chernoff (upper bound)`` / ``patterns (upper bound)``; ``–`` for none."""
+    if method is None:
+        return "–"
+    return f"{method} (upper bound)" if method in UPPER_BOUNDS else method
+
+
 def attribution_table(report: AttributionReport) -> str:
     """One row per client, one column per round, Z, p, flag; then the rule, TPR and FPR.
 
@@ -52,7 +65,7 @@ def attribution_table(report: AttributionReport) -> str:
         flag = "**yes**" if c.flagged else "no"
         row = [c.id, truth, *zs, f"{c.Z:+.2f}", p_value(c.p, c.log10_p), flag]
         if calibrated:
-            tail = (c.tail or "–") + ("" if c.calibrated else " (uncalibrated)")
+            tail = tail_label(c.tail) + ("" if c.calibrated else " (uncalibrated)")
             rank = "–" if c.p_rank is None else f"{c.p_rank:.3g}"
             row += [f"`{c.statistic}`", tail, rank]
         rows.append(row)
@@ -60,9 +73,12 @@ def attribution_table(report: AttributionReport) -> str:
     if calibrated:
         head += ["owner", "tail", "rank p"]
         K = max(1, len(report.clients))
+        bounded = any(c.tail in UPPER_BOUNDS for c in report.clients)
+        bound = " (or an upper bound on it, where the tail says so: conservative)"
         rule = (
             "calibrated statistic: each client's summed change read with the owner's key, p from "
-            "its exact tail under a random key (Bonferroni over owners); named when p < α/K = "
+            f"its exact tail under a random key{bound if bounded else ''}"
+            " (Bonferroni over owners); named when p < α/K = "
             f"{p_value((report.alpha or 0) / K)}, family-wise α = {report.alpha} over clients × "
             "owners. z: each round's statistic (unit variance under the null); Z: the sum's, "
             "for reading only (the verdict reads p)"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..attribution.stouffer import AttributionReport
+from .markdown import UPPER_BOUNDS
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -309,6 +310,9 @@ def _verdict_panel(ax, report: AttributionReport) -> None:
     owners) against the cut ``-log10(alpha / K)``; named clients (★) are above it."""
     K = max(1, len(report.clients))
     cut = -math.log10((report.alpha or 0.01) / K)
+    # The chernoff and patterns tails are upper bounds on p: the axis says so when one is drawn.
+    bounded = any(c.tail in UPPER_BOUNDS for c in report.clients)
+    what = "exact tail or its upper bound" if bounded else "exact tail"
     ids = [c.id for c in report.clients]
     heights = [min(-c.log10_p, 50.0) for c in report.clients]
     colours = [_COLOURS[c.watermarked] for c in report.clients]
@@ -329,7 +333,7 @@ def _verdict_panel(ax, report: AttributionReport) -> None:
     ax.set(
         title="verdict: $-\\log_{10} p$ of each client (★ named; drawn up to 50)",
         xlabel="client" if step == 1 else f"client (one id in {step} written)",
-        ylabel="$-\\log_{10} p$ (exact tail, Bonferroni over owners)",
+        ylabel=f"$-\\log_{{10}} p$ ({what}, Bonferroni over owners)",
     )
     import matplotlib.pyplot as plt
 
@@ -358,7 +362,8 @@ def _legend_star() -> dict:
 def plot_attribution(report: AttributionReport, path: str | Path) -> Path:
     """Two panels: per-round differential scores, and the verdict: under the paper statistic
     cumulative Stouffer Z with the γ line; under the calibrated statistic each client's
-    ``-log10 p`` (the exact tail the verdict reads) with the ``alpha / K`` line.
+    ``-log10 p`` (the exact tail the verdict reads, or its upper bound) with the ``alpha / K``
+    line.
 
     Watermarked clients are drawn in red, clean ones in blue, unknown in grey; flagged clients
     get a ★ at their final Z. Each line is labelled with its client id at its last point (labels

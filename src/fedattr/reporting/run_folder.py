@@ -38,6 +38,7 @@ PLOT = "attribution.png"
 ATTRIBUTION = "attribution.json"
 CHECKPOINT_DIR = "checkpoint"
 CHECKPOINT = "state.pt"
+DOCUMENTS = "teacher-documents.json"
 
 
 def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
@@ -261,6 +262,31 @@ class RunFolder:
                 f"remove {str(path.parent)!r} to restart the run from round 1"
             )
         return payload
+
+    @property
+    def documents_path(self) -> Path:
+        """Where an unfinished run keeps the documents its teacher wrote (removed with the
+        checkpoint when the run finishes)."""
+        return self.path / CHECKPOINT_DIR / DOCUMENTS
+
+    def save_documents(self, documents: dict) -> None:
+        """Keep the teacher's documents of this run (:func:`~fedattr.fl.federation.
+        build_federation`'s ``documents``), so a resume restores them rather than running the
+        teacher again. Write then rename, as the checkpoint."""
+        self.documents_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.documents_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(documents, ensure_ascii=False), encoding="utf-8")
+        os.replace(tmp, self.documents_path)
+
+    def load_documents(self) -> dict:
+        """The teacher's documents an earlier session of this run kept; ``{}`` when there are
+        none (a new run, or a checkpoint from before they were kept) or they cannot be read
+        (the teacher then writes them again: it is deterministic)."""
+        try:
+            documents = json.loads(self.documents_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return {}
+        return documents if isinstance(documents, dict) else {}
 
     def clear_checkpoint(self) -> None:
         """Finished: the results supersede the checkpoint."""
