@@ -19,6 +19,7 @@ STAGES: dict[str, int] = {
     "runtime": 1,
     "updates": 1,
     "config": 1,
+    "linalg": 1,
     "secagg": 2,
     "data": 2,
     "models": 3,
@@ -108,6 +109,14 @@ def violations(src: Path) -> list[str]:
 
 def test_no_module_imports_from_a_later_stage():
     assert violations(SRC) == []
+
+
+def test_the_gls_stack_has_one_home():
+    """The de-mixer and the cross-round audit share :mod:`fedattr.linalg`'s GLS stack, not the
+    release policy's module."""
+    for path in (SRC / "fedattr/attribution").rglob("*.py"):
+        targets = [t for _, t in imports_of(path, SRC)]
+        assert "fedattr.secagg.policy" not in targets or path.stem in ("audit", "privacy"), path
 
 
 def test_every_package_has_a_stage():

@@ -64,7 +64,7 @@ import torch
 from scipy.stats import norm
 
 from ..errors import UserError
-from ..secagg.policy import in_range, psd_pinv
+from ..linalg import StackedGLS
 from ..watermarks.tail import (
     SHIFT_MAX_CELLS,
     KeyLaw,
@@ -539,7 +539,8 @@ class DeMixer:
 
         F m = sum_t A_t^+ Y_t,    F = sum_t A_t^+ A_t,
 
-    as :mod:`fedattr.attribution.crossround` does for the updates: ``m_j`` is identifiable when
+    the stack :class:`~fedattr.linalg.StackedGLS` that :mod:`fedattr.attribution.crossround`
+    reads for the updates: ``m_j`` is identifiable when
     ``e_j`` is in the range of ``F``. Then ``m_hat = F^+ sum_t P_t X^t = m + sum_t B_t e^t``
     with ``B_t = F^+ P_t`` and ``sum_t B_t = I``: each client's mean change exactly, plus the
     round deviations with known coefficients whose sum over rounds vanishes off the diagonal.
@@ -551,23 +552,16 @@ class DeMixer:
     audit already shows the answers determine."""
 
     def __init__(self) -> None:
-        self.ids: list[int] = []
-        """Every client in a stacked round's design row (the order of :attr:`f`)."""
-        self.f = np.zeros((0, 0))
-        """``F = sum_t A_t^+ A_t``."""
+        self.gls = StackedGLS()
+        """``F = sum_t A_t^+ A_t`` over every client in a stacked round's design row."""
         self.b: dict[str, dict[int, torch.Tensor]] = {}
         """Part -> client -> ``[sum_t A_t^+ Y_t]_client`` (flat, float64)."""
         self.shapes: dict[str, tuple[int, ...]] = {}
 
-    def _index(self, clients: Sequence[int]) -> None:
-        new = [c for c in clients if c not in self.ids]
-        if not new:
-            return
-        n = len(self.ids)
-        self.ids.extend(new)
-        f = np.zeros((len(self.ids), len(self.ids)))
-        f[:n, :n] = self.f
-        self.f = f
+    @property
+    def ids(self) -> list[int]:
+        """Every client in a stacked round's design row (the order of ``F``)."""
+        return self.gls.ids
 
     def add(
         self,
@@ -589,15 +583,14 @@ class DeMixer:
         members = {p for d in designs for p in d.coefficients()} | set(targets)
         if mean is not None:
             members |= set(mean[0])
-        self._index(sorted(members))
+        self.gls.extend(sorted(members))
         A = _design_matrix(designs, self.ids)
         if mean is not None:
             row = np.zeros((1, len(self.ids)))
             row[0, [self.ids.index(p) for p in mean[0]]] = 1.0 / len(mean[0])
             A = np.vstack([A, row])
             changes = [*changes, mean[1]]
-        pinv = np.linalg.pinv(A, rcond=max(A.shape) * np.finfo(float).eps * 10)
-        self.f += pinv @ A
+        pinv = self.gls.add(A)
         for part in laws:
             Y = [c[part].reshape(-1).double() for c in changes]
             if weights is not None and part in weights:
@@ -616,8 +609,8 @@ class DeMixer:
         (``||P e_j||^2 >= 1 - 1e-9``, P the projector onto ``F``'s range)."""
         if not self.ids:
             return {}, []
-        fplus = psd_pinv(self.f)
-        identifiable = [c for c, ok in zip(self.ids, in_range(self.f), strict=True) if ok]
+        fplus = self.gls.inverse()
+        identifiable = [c for c, ok in zip(self.ids, self.gls.identifiable(), strict=True) if ok]
         own: dict[str, dict[int, torch.Tensor]] = {}
         for part, acc in self.b.items():
             zero = torch.zeros_like(next(iter(acc.values())))
@@ -627,14 +620,14 @@ class DeMixer:
 
     def state(self) -> dict:
         """For checkpoints."""
-        return {"ids": list(self.ids), "f": self.f, "b": self.b, "shapes": self.shapes}
+        return {"ids": list(self.ids), "f": self.gls.f, "b": self.b, "shapes": self.shapes}
 
     @classmethod
     def from_state(cls, state: Mapping | None) -> DeMixer:
         """Restore :meth:`state` (an empty one where the checkpoint has none)."""
         out = cls()
         if state:
-            out.ids, out.f = list(state["ids"]), np.array(state["f"], dtype=np.float64)
+            out.gls.ids, out.gls.f = list(state["ids"]), np.array(state["f"], dtype=np.float64)
             out.b, out.shapes = dict(state["b"]), dict(state["shapes"])
         return out
 
