@@ -128,7 +128,7 @@ def test_the_verdict_reads_the_exact_tail_of_the_summed_change():
     assert not by[1].flagged and by[1].p > 0.025
     assert rep.level == pytest.approx(0.025)
     # A later round under another key law is refused before anything is added.
-    from fedattr.watermarks.tail import Directions
+    from fedattr.watermarks.tail.laws import Directions
 
     with pytest.raises(UserError, match="another key law"):
         null.add(
@@ -256,7 +256,7 @@ def test_calibration_command_writes_its_files_and_resumes(tmp_path, capsys):
 
 def test_token_centring_removes_drift_no_key_sees_and_keeps_the_null_exact():
     from fedattr.attribution.calibrated import standardise_round
-    from fedattr.watermarks.tail import RowSubsets
+    from fedattr.watermarks.tail.laws import RowSubsets
 
     rng = np.random.default_rng(11)
     K, rows, V = 6, 30, 64
@@ -361,7 +361,7 @@ def test_the_rank_check_draws_its_keys_where_the_changes_were_computed(monkeypat
     """The sums stay on the CPU (checkpoints), but the rank check's random keys are drawn on
     the device the changes came from (a GPU for an LLM: 200 keys over vocabulary-sized changes
     take minutes on a CPU). Here the device is pretended (``meta``) and the draw recorded."""
-    from fedattr.watermarks.tail import RowSubsets
+    from fedattr.watermarks.tail.laws import RowSubsets
 
     law = RowSubsets(4, 16)
     null = CalibratedNull(alpha=0.05, null_keys=9)
@@ -387,7 +387,7 @@ def test_cross_talk_is_undone_on_the_device_of_the_changes(monkeypatch):
     mixed a CPU accumulator in and failed on the first GPU run). ``meta`` stands in for the GPU;
     the variance, a scalar read, is pretended."""
     from fedattr.attribution import calibrated
-    from fedattr.watermarks.tail import RowSubsets
+    from fedattr.watermarks.tail.laws import RowSubsets
 
     class Law(RowSubsets):
         def variance(self, W):
@@ -420,7 +420,7 @@ class _CurvedScorer:
         return {"owner": curve(candidate) - curve(reference)}
 
     def key_laws(self):
-        from fedattr.watermarks.tail import Directions
+        from fedattr.watermarks.tail.laws import Directions
 
         return {"owner": Directions(6)}
 
@@ -522,7 +522,7 @@ class _GreenListScorer:
         self.keys = keys
 
     def key_laws(self):
-        from fedattr.watermarks.tail import RowSubsets
+        from fedattr.watermarks.tail.laws import RowSubsets
 
         G = next(iter(self.keys.values()))
         return {"probes": RowSubsets(int(G[0].sum()), G.shape[1])}
@@ -595,7 +595,7 @@ def test_reread_rebuilds_a_simulations_keys_and_gives_its_verdicts_again(tiny_ca
     from conftest import small_overrides
     from fedattr.experiments.calibration import reread_run, simulated_keys
     from fedattr.experiments.main import run_or_reuse
-    from fedattr.watermarks.tail import law_from_dict
+    from fedattr.watermarks.tail.laws import law_from_dict
 
     for few_cells, probes in [
         ("shifted-keys", "held-out"),

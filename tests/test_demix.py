@@ -13,7 +13,7 @@ from fedattr.config import load
 from fedattr.errors import UserError
 from fedattr.pipeline.config import DemoConfig
 from fedattr.pipeline.run import run_demo
-from fedattr.watermarks.tail import Directions
+from fedattr.watermarks.tail.laws import Directions
 
 PART = DEFAULT_STATISTIC
 
@@ -206,7 +206,7 @@ class _OneGreenScorer:
         self.G[torch.arange(len(green)), torch.tensor(green)] = True
 
     def key_laws(self):
-        from fedattr.watermarks.tail import RowSubsets
+        from fedattr.watermarks.tail.laws import RowSubsets
 
         return {PART: RowSubsets(1, self.G.shape[1])}
 

@@ -20,6 +20,7 @@ STAGES: dict[str, int] = {
     "updates": 1,
     "config": 1,
     "linalg": 1,
+    "rows": 1,
     "secagg": 2,
     "data": 2,
     "models": 3,

@@ -15,8 +15,9 @@ from fedattr.attribution.calibrated import (
     standardise_round,
 )
 from fedattr.attribution.design import own_update_design
-from fedattr.attribution.spill import DiskRows, save_changes
-from fedattr.watermarks.tail import BernoulliCells, DenseRows, RowSubsets, random_values_by_rows
+from fedattr.rows import DenseRows, DiskRows, save_changes
+from fedattr.watermarks.tail.cgf import BernoulliCells
+from fedattr.watermarks.tail.laws import RowSubsets, random_values_by_rows
 
 
 def _centred(W):
@@ -298,7 +299,7 @@ def test_changes_saved_by_row_blocks_read_as_safetensors_wrote_them(tmp_path):
     assert new.keys() == old.keys()
     for k in new:
         assert new[k].dtype == torch.float32 and torch.equal(new[k], old[k])
-    from fedattr.attribution.spill import SavedRows, open_changes
+    from fedattr.rows import SavedRows, open_changes
 
     lazy = open_changes(tmp_path / "new.safetensors", lazy_bytes=0)
     assert all(isinstance(v, SavedRows) for v in lazy.values())
@@ -405,7 +406,7 @@ def test_a_short_run_with_spilled_sums_gives_the_verdicts_of_one_held_in_memory(
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6)
     # Read again from the saved changes, a large file a block of rows at a time: the verdicts.
-    from fedattr.attribution import spill as spill_module
+    from fedattr import rows as spill_module
     from fedattr.experiments.calibration import reread_run
 
     whole = spill_module.open_changes

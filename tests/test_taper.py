@@ -12,7 +12,7 @@ from fedattr.attribution.config import AttributionConfig
 from fedattr.attribution.design import DesignStats, QueryDesign
 from fedattr.config import ConfigError, load
 from fedattr.pipeline.config import RunConfig
-from fedattr.watermarks.tail import RowSubsets
+from fedattr.watermarks.tail.laws import RowSubsets
 
 
 class _Distributions:

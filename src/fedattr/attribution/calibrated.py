@@ -65,18 +65,11 @@ from scipy.stats import norm
 
 from ..errors import UserError
 from ..linalg import StackedGLS
-from ..watermarks.tail import (
-    SHIFT_MAX_CELLS,
-    KeyLaw,
-    Rows,
-    RowSubsets,
-    Tail,
-    law_from_dict,
-    shifted_keys_p,
-)
+from ..rows import DiskRows, Rows, TemporaryFolder
+from ..watermarks.tail.laws import KeyLaw, RowSubsets, law_from_dict
+from ..watermarks.tail.methods import SHIFT_MAX_CELLS, Tail, shifted_keys_p
 from .config import AttributionConfig
 from .design import QueryDesign, own_update_design
-from .spill import DiskRows, TemporaryFolder
 from .stouffer import AttributionReport, ClientAttribution
 
 SHIFTED_FLOOR = 0.01
@@ -118,7 +111,7 @@ class LinearKeyScorer(Protocol):
 class OwnerKeys(Protocol):
     """A detector that lends the verdict its owners' keys as matrices (KGW: green masks), so
     that where the analytic tail is only a bound, p is read by shifting the owner's own key
-    (:func:`~fedattr.watermarks.tail.shifted_keys_p`)."""
+    (:func:`~fedattr.watermarks.tail.methods.shifted_keys_p`)."""
 
     def owner_keys(self, part: str) -> Mapping[str, torch.Tensor]:
         """Owner -> ``G`` with ``owner_values(part, W)[owner] == <W, G>``."""
@@ -652,10 +645,10 @@ class CalibratedNull:
         spread: float = 0.0,
     ) -> None:
         """``spill``: a folder where each client's sums ``W_i`` over a row-centred key law
-        (KGW's) are kept as float32 files (:class:`~fedattr.attribution.spill.DiskRows`) and
+        (KGW's) are kept as float32 files (:class:`~fedattr.rows.DiskRows`) and
         read by row blocks, rounds standardised ``block_cells`` at a time where the detector
         reads its owners' values by rows (:class:`RowOwnerValues`): memory no longer grows with
-        clients x contexts x vocabulary (a :class:`~fedattr.attribution.spill.TemporaryFolder`
+        clients x contexts x vocabulary (a :class:`~fedattr.rows.TemporaryFolder`
         is removed after the last of its files). ``None``: every sum in memory, in float64."""
         self.alpha, self.decorrelate, self.token_centring = alpha, decorrelate, token_centring
         self.few_cells = few_cells
@@ -1239,8 +1232,8 @@ class CalibratedNull:
         the saved changes are float32, so p agrees with the run's own to about six digits where
         the tail method is the same. They are kept in float32 (read as float64 a block at a
         time: the same values as converting them whole, in half the memory), or read from the
-        file by row blocks (:class:`~fedattr.watermarks.tail.Rows`, e.g.
-        :func:`~fedattr.attribution.spill.open_changes` of a large file: the rank check then
+        file by row blocks (:class:`~fedattr.rows.Rows`, e.g.
+        :func:`~fedattr.rows.open_changes` of a large file: the rank check then
         draws its keys by rows, other keys than the run's). ``seed``: the rank check's
         (``attribution.seed``)."""
         laws = results.get("key_laws") or {}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..config import from_dict
 from ..errors import UserError
-from ..watermarks.tail import law_from_dict
+from ..watermarks.tail.laws import law_from_dict
 from .calibrated import CalibratedNull
 from .config import AttributionConfig
 from .round_folder import (

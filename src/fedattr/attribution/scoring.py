@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..updates import Update, add_update
-from ..watermarks.tail import Directions
+from ..watermarks.tail.laws import Directions
 
 
 class Scorer(Protocol):

@@ -559,7 +559,7 @@ def bench_verdicts(
 
     from ..attribution.calibrated import STANDARDISE_CELLS, CalibratedNull, ChangeRows
     from ..attribution.design import own_update_design
-    from ..watermarks.tail import RowSubsets
+    from ..watermarks.tail.laws import RowSubsets
 
     if device == "cuda":
         require_cuda("--device")

@@ -130,7 +130,7 @@ class RunResult:
             folder = RunFolder(folder)
             folder.claim(to_dict(self.config))
         if self.changes:  # before results.json, which marks the run finished
-            from ..attribution.spill import save_changes
+            from ..rows import save_changes
 
             # A block of rows at a time where a change is spilled to disk.
             save_changes(folder.file("changes.safetensors"), self.changes)
