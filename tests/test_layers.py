@@ -112,12 +112,21 @@ def test_no_module_imports_from_a_later_stage():
     assert violations(SRC) == []
 
 
-def test_the_gls_stack_has_one_home():
-    """The de-mixer and the cross-round audit share :mod:`fedattr.linalg`'s GLS stack, not the
-    release policy's module."""
+def test_the_gls_stack_and_the_detector_contract_have_one_home_each():
+    """The de-mixer and the cross-round audit share :mod:`fedattr.linalg`'s GLS stack (not the
+    release policy's module); the detector protocols are defined in one module."""
     for path in (SRC / "fedattr/attribution").rglob("*.py"):
         targets = [t for _, t in imports_of(path, SRC)]
         assert "fedattr.secagg.policy" not in targets or path.stem in ("audit", "privacy"), path
+        if path.stem != "contract":
+            tree = ast.parse(path.read_text())
+            protocols = [
+                n.name
+                for n in ast.walk(tree)
+                if isinstance(n, ast.ClassDef)
+                and any(getattr(b, "id", None) == "Protocol" for b in n.bases)
+            ]
+            assert protocols == [], (path, protocols)
 
 
 def test_every_package_has_a_stage():

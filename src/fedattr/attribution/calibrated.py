@@ -57,7 +57,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,6 +69,13 @@ from ..rows import DiskRows, Rows, TemporaryFolder
 from ..watermarks.tail.laws import KeyLaw, RowSubsets, law_from_dict
 from ..watermarks.tail.methods import SHIFT_MAX_CELLS, Tail, shifted_keys_p
 from .config import AttributionConfig
+from .contract import (
+    LinearKeyScorer,
+    OwnerKeys,
+    Parts,
+    ReferenceProbabilities,
+    RowOwnerValues,
+)
 from .design import QueryDesign, own_update_design
 from .stouffer import AttributionReport, ClientAttribution
 
@@ -76,74 +83,6 @@ SHIFTED_FLOOR = 0.01
 """The shifted-key test's p is read above ``level x`` this (see :meth:`CalibratedNull._shifted`)."""
 BOUNDS = ("patterns", "chernoff")
 """Tail methods that are upper bounds, not the tail itself."""
-
-Parts = dict[str, torch.Tensor]
-"""Part name -> a change (or a standardised change): one per key law the detector reads."""
-
-
-@runtime_checkable
-class LinearKeyScorer(Protocol):
-    """A paired detector whose owner statistics are linear in the owner's key."""
-
-    exchangeable_rounds: int | None
-    """How many rounds, from the first, read the owner's key as exchangeable with a random one
-    (``None``: every round). A detector whose reference model learns the owner's secret says
-    so (FK: 1): later rounds are skipped or make its p-values uncalibrated."""
-
-    def observe(self, params: Any) -> Any:
-        """What the detector reads of a model."""
-        ...
-
-    def change(self, reference: Any, candidate: Any) -> Parts:
-        """The key-linear change from ``reference`` to ``candidate`` (observations), per part."""
-        ...
-
-    def key_laws(self) -> dict[str, KeyLaw]:
-        """Part -> the law of a random key over that part."""
-        ...
-
-    def owner_values(self, part: str, W: torch.Tensor) -> dict[str, float]:
-        """``<W, G_owner>`` for every owner whose key reads ``part``."""
-        ...
-
-
-@runtime_checkable
-class OwnerKeys(Protocol):
-    """A detector that lends the verdict its owners' keys as matrices (KGW: green masks), so
-    that where the analytic tail is only a bound, p is read by shifting the owner's own key
-    (:func:`~fedattr.watermarks.tail.methods.shifted_keys_p`)."""
-
-    def owner_keys(self, part: str) -> Mapping[str, torch.Tensor]:
-        """Owner -> ``G`` with ``owner_values(part, W)[owner] == <W, G>``."""
-        ...
-
-
-@runtime_checkable
-class SteppedReading(Protocol):
-    """A detector that asks to be read at a fraction of each estimate (its reading saturates:
-    only the first-order part of its change is linear in the estimate)."""
-
-    reading_step: float
-    """The fraction (``attribution.reading_step`` overrides it)."""
-
-
-@runtime_checkable
-class SpreadReporter(Protocol):
-    """A detector that says over how many contexts a change is spread (for the record)."""
-
-    def effective_contexts(self, reference: Any, candidate: Any) -> float:
-        """``(sum ||D[x]||^2)^2 / sum ||D[x]||^4`` of the change between two observations."""
-        ...
-
-
-@runtime_checkable
-class ReferenceProbabilities(Protocol):
-    """A detector whose change is over next-token distributions (KGW reading): it says each
-    cell's probability under the reference model, which a taper reads (key-free)."""
-
-    def reference_probabilities(self, reference: Any) -> Parts:
-        """Part -> each cell's mean next-token probability under the reference observation."""
-        ...
 
 
 def taper_weights(scorer: Any, reference: Any, exponent: float, start: float) -> Parts | None:
@@ -513,16 +452,6 @@ def standardise_round(
     return out, undone
 
 
-@runtime_checkable
-class RowOwnerValues(Protocol):
-    """A detector that reads its owners' values off a block of rows (a change read by blocks,
-    :class:`ChangeRows`; the spilled sums)."""
-
-    def owner_values_rows(self, part: str, rows: torch.Tensor, lo: int) -> dict[str, float]:
-        """``<W[lo : lo + len(rows)], G_owner[same rows]>`` for every owner reading ``part``."""
-        ...
-
-
 class DeMixer:
     """Rounds whose cross-talk is kept (hardened mode), stacked and de-mixed across rounds.
 
@@ -647,9 +576,10 @@ class CalibratedNull:
         """``spill``: a folder where each client's sums ``W_i`` over a row-centred key law
         (KGW's) are kept as float32 files (:class:`~fedattr.rows.DiskRows`) and
         read by row blocks, rounds standardised ``block_cells`` at a time where the detector
-        reads its owners' values by rows (:class:`RowOwnerValues`): memory no longer grows with
-        clients x contexts x vocabulary (a :class:`~fedattr.rows.TemporaryFolder`
-        is removed after the last of its files). ``None``: every sum in memory, in float64."""
+        reads its owners' values by rows (:class:`~fedattr.attribution.contract.RowOwnerValues`):
+        memory no longer grows with clients x contexts x vocabulary (a
+        :class:`~fedattr.rows.TemporaryFolder` is removed after the last of its files).
+        ``None``: every sum in memory, in float64."""
         self.alpha, self.decorrelate, self.token_centring = alpha, decorrelate, token_centring
         self.few_cells = few_cells
         self.across_rounds = across_rounds

@@ -22,15 +22,9 @@ from typing import Any, ClassVar
 
 from ..errors import UserError
 from ..updates import add_update, scale_update
-from .calibrated import (
-    CalibratedNull,
-    LinearKeyScorer,
-    SpreadReporter,
-    SteppedReading,
-    taper_weights,
-    undo_updates,
-)
+from .calibrated import CalibratedNull, taper_weights, undo_updates
 from .config import AttributionConfig
+from .contract import LinearKeyScorer, SpreadReporter, SteppedReading
 from .records import Estimate, RoundEstimates, RoundRecord, TargetRecord
 from .scoring import (
     DEFAULT_STATISTIC,

@@ -496,8 +496,8 @@ class _WindowKeys:
 
 
 class _BenchScorer:
-    """A :class:`~fedattr.attribution.calibrated.LinearKeyScorer` over the benchmark's keys (and
-    :class:`~fedattr.attribution.calibrated.RowOwnerValues`: its owners read by rows)."""
+    """A :class:`~fedattr.attribution.contract.LinearKeyScorer` over the benchmark's keys (and
+    :class:`~fedattr.attribution.contract.RowOwnerValues`: its owners read by rows)."""
 
     exchangeable_rounds = None
 

@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from ..attribution.config import AttributionConfig
+from ..attribution.contract import KeyStatisticScorer, ProbeScorer
 from ..attribution.crossround import CrossRoundObserver
 from ..attribution.export import ExportObserver
 from ..attribution.observer import AttributionObserver, CeilingObserver
 from ..attribution.protocol import FedAttr
-from ..attribution.scoring import KeyStatisticScorer, LinearScorer, ProbeScorer, scorer_null
+from ..attribution.scoring import LinearScorer, scorer_null
 from ..attribution.stouffer import AttributionReport
 from ..baselines import BaselineRecorder, BaselineResult
 from ..baselines.observer import BaselineObserver
