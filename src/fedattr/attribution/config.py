@@ -64,7 +64,7 @@ class AttributionConfig:
     the exact tail still holds). 0.5 (default since 2026-11-26) reads a likely token's change
     over ``sqrt(p)``, the Fisher-information scale of a probability, where it is mostly the
     client's drift rather than a key's signal; 0 reads every cell alike, as before (see
-    :func:`~fedattr.attribution.calibrated.taper_weights`)."""
+    :func:`~fedattr.attribution.calibrated.weights.taper_weights`)."""
     taper_from: float = 0.01
     """``calibrated`` with KGW: the probability above which :attr:`taper` lowers a cell's
     weight (below it every cell keeps weight 1)."""
@@ -76,7 +76,7 @@ class AttributionConfig:
     ``S_row`` its row's median ``S`` (a floor). A function of every client's change and of no
     key, as the cell-wise median that centres it. 0.25 (default since 2026-11-27) was chosen on
     seeds 100-109; 0 reads every cell as the taper leaves it, as before (see
-    :func:`~fedattr.attribution.calibrated.spread_weights`)."""
+    :func:`~fedattr.attribution.calibrated.weights.spread_weights`)."""
     spill: bool = False
     """``calibrated``: keep each client's summed change on disk (float32, a temporary folder)
     rather than in memory (float64), and standardise each round a block of rows at a time from

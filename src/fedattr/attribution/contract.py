@@ -183,7 +183,7 @@ class ReferenceProbabilities(Protocol):
 @runtime_checkable
 class RowOwnerValues(Protocol):
     """A detector that reads its owners' values off a block of rows (a change read by blocks,
-    :class:`~fedattr.attribution.calibrated.ChangeRows`; the spilled sums)."""
+    :class:`~fedattr.attribution.calibrated.standardise.ChangeRows`; the spilled sums)."""
 
     def owner_values_rows(self, part: str, rows: torch.Tensor, lo: int) -> dict[str, float]:
         """``<W[lo : lo + len(rows)], G_owner[same rows]>`` for every owner reading ``part``."""

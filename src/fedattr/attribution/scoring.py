@@ -15,7 +15,7 @@ contrast) plugs into the same protocol.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -107,6 +107,18 @@ def observe_all(scorer: Any, params: Iterable[Any]) -> Iterable[Any]:
     if observes_in_batches(scorer):
         return scorer.observe_many(list(params))
     return (scorer.observe(p) for p in params)
+
+
+def observe_each(scorer: Any, params: Iterable[Any]) -> Iterator[Any]:
+    """:func:`observe_all` one observation at a time, a batched read's list emptied as it goes
+    (so its readings are freed as they are used, as a lazy read's are)."""
+    items = observe_all(scorer, params)
+    if isinstance(items, list):
+        items.reverse()
+        while items:
+            yield items.pop()
+    else:
+        yield from items
 
 
 def observes_in_batches(scorer: Any) -> bool:

@@ -551,13 +551,15 @@ def bench_verdicts(
     ``mode``: ``memory``, every change and sum held whole (a run's default); ``stream``, the
     sums spilled to float32 files in ``spill`` (a temporary folder by default) and the rounds
     standardised ``block_cells`` at a time (default
-    :data:`~fedattr.attribution.calibrated.STANDARDISE_CELLS`), the tails and the rank check
-    reading them by row blocks. Drawing the random changes is timed apart (``draw_s``): it is
-    not the verdict's work."""
+    :data:`~fedattr.attribution.calibrated.standardise.STANDARDISE_CELLS`), the tails and the
+    rank check reading them by row blocks. Drawing the random changes is timed apart
+    (``draw_s``): it is not the verdict's work."""
     import shutil
     import tempfile
 
-    from ..attribution.calibrated import STANDARDISE_CELLS, CalibratedNull, ChangeRows
+    from ..attribution.calibrated.standardise import STANDARDISE_CELLS, ChangeRows
+    from ..attribution.calibrated.sums import CalibratedNull
+    from ..attribution.calibrated.verdict import rank_values, tails
     from ..attribution.design import own_update_design
     from ..watermarks.tail.laws import RowSubsets
 
@@ -617,7 +619,7 @@ def bench_verdicts(
                     changes.append({"probes": read(0, contexts).to(device)})
                 else:
                     changes.append({"probes": ChangeRows(contexts, vocab, read)})
-            null.add_round(t, order, order, designs, changes, None, scorer)  # type: ignore[arg-type]
+            null.add_round(null.plan(t, order, order, designs, scorer), changes, None, scorer)
             del changes
         _synchronize(device)
         elapsed = time.perf_counter() - start
@@ -626,11 +628,11 @@ def bench_verdicts(
         names = sorted(null.parts)
         memory.start()
         start = time.perf_counter()
-        tails = null._tails(order, names)
+        found = tails(null.evidence(), order, names)
         stages["tails"] = {"seconds": time.perf_counter() - start, "peak_gb": memory.peak_gb()}
         memory.start()
         start = time.perf_counter()
-        ranks = null._rank_values(order)
+        ranks = rank_values(null.evidence(), order, null.null_keys, null.seed)
         _synchronize(device)
         stages["rank_check"] = {
             "seconds": time.perf_counter() - start,
@@ -642,8 +644,8 @@ def bench_verdicts(
     del ranks
     # Named as CalibratedNull.report names: below alpha / (clients x owners) for some owner.
     level = math.log10(null.alpha / (clients * owners))
-    named = sorted({c for (c, _), t in tails.items() if t.log10_p < level})
-    methods = sorted({t.method for t in tails.values()})
+    named = sorted({c for (c, _), t in found.items() if t.log10_p < level})
+    methods = sorted({t.method for t in found.values()})
     return {
         "mode": mode,
         "clients": clients,
@@ -664,7 +666,7 @@ def bench_verdicts(
         "tails_s": stages["tails"]["seconds"],
         "tail_methods": methods,
         "log10_p": {
-            f"{c}/{o}": tails[(c, o)].log10_p for c in order for o in names if (c, o) in tails
+            f"{c}/{o}": found[(c, o)].log10_p for c in order for o in names if (c, o) in found
         },
         "named": named,
         "watermarked": list(range(owners)),

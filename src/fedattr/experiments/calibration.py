@@ -183,7 +183,7 @@ def reread_run(folder: str | Path) -> dict:
 
     import torch
 
-    from ..attribution.calibrated import CalibratedNull
+    from ..attribution.calibrated.sums import CalibratedNull
     from ..rows import open_changes
 
     run = RunFolder(folder)
