@@ -6,7 +6,7 @@ import torch
 from scipy.stats import norm
 
 from fedattr.attribution import AttributionConfig, FedAttr, LinearScorer, draw_design
-from fedattr.attribution.calibrated import CalibratedNull
+from fedattr.attribution.calibrated.sums import CalibratedNull
 from fedattr.attribution.scoring import DEFAULT_STATISTIC
 from fedattr.cli import main
 from fedattr.config import ConfigError, load
@@ -74,7 +74,9 @@ def test_decorrelation_recovers_each_clients_own_change():
     scorer = LinearScorer(torch.tensor(rng.normal(size=dim)))
     changes = [{DEFAULT_STATISTIC: torch.tensor(y)} for y in Y]
     null = CalibratedNull(decorrelate=True, null_keys=0)
-    shown = null.add_round(1, list(range(K)), list(range(K)), designs, changes, None, scorer)
+    shown = null.add_round(
+        null.plan(1, list(range(K)), list(range(K)), designs, scorer), changes, None, scorer
+    )
     assert null.decorrelated[1]
     centred = own - np.median(own, axis=0)
     for i in range(K):
@@ -88,10 +90,7 @@ def test_decorrelation_recovers_each_clients_own_change():
     # Without decorrelation the SA mean's change is the centre (hardened mode's case).
     plain = CalibratedNull(decorrelate=False, null_keys=0)
     plain.add_round(
-        1,
-        list(range(K)),
-        list(range(K)),
-        designs,
+        plain.plan(1, list(range(K)), list(range(K)), designs, scorer),
         changes,
         {DEFAULT_STATISTIC: torch.tensor(Y.mean(0))},
         scorer,
@@ -129,7 +128,7 @@ def test_the_verdict_reads_the_exact_tail_of_the_summed_change():
     assert not by[1].flagged and by[1].p > 0.025
     assert rep.level == pytest.approx(0.025)
     # A later round under another key law is refused before anything is added.
-    from fedattr.watermarks.tail import Directions
+    from fedattr.watermarks.tail.laws import Directions
 
     with pytest.raises(UserError, match="another key law"):
         null.add(
@@ -187,7 +186,7 @@ def test_a_key_exchangeable_in_round_one_only_is_read_there_or_reported_uncalibr
         for t, own in rounds.items():
             changes = [{DEFAULT_STATISTIC: torch.tensor(x)} for x in own]
             shown = null.add_round(
-                t, list(range(K)), list(range(K)), designs, changes, None, scorer
+                null.plan(t, list(range(K)), list(range(K)), designs, scorer), changes, None, scorer
             )
             assert bool(shown) is (t == 1 or late == "read")
         rep = null.report({i: i == 0 for i in range(K)})
@@ -264,8 +263,9 @@ def test_calibration_command_writes_its_files_and_resumes(tmp_path, capsys):
 
 
 def test_token_centring_removes_drift_no_key_sees_and_keeps_the_null_exact():
-    from fedattr.attribution.calibrated import standardise_round
-    from fedattr.watermarks.tail import RowSubsets
+    from fedattr.attribution.calibrated.plan import plan_round
+    from fedattr.attribution.calibrated.standardise import standardise_round
+    from fedattr.watermarks.tail.laws import RowSubsets
 
     rng = np.random.default_rng(11)
     K, rows, V = 6, 30, 64
@@ -277,8 +277,9 @@ def test_token_centring_removes_drift_no_key_sees_and_keeps_the_null_exact():
         for i in range(K)
     ]
     laws = {"p": RowSubsets(16, V)}
-    plain, _ = standardise_round(range(K), range(K), designs, changes, None, laws, False)
-    kept, _ = standardise_round(range(K), range(K), designs, changes, None, laws, False, True)
+    plan = plan_round(1, range(K), range(K), designs, decorrelate=False)
+    plain = standardise_round(plan, changes, None, laws)
+    kept = standardise_round(plan, changes, None, laws, token_centring=True)
     c = kept[0]["p"].double()
     assert c.mean(dim=0).abs().max() < 1e-6 and c.mean(dim=1).abs().max() < 1e-6
     assert laws["p"].variance(c) == pytest.approx(1.0)  # still one unit of null variance
@@ -377,7 +378,7 @@ def test_the_rank_check_draws_its_keys_where_the_changes_were_computed(monkeypat
     """The sums stay on the CPU (checkpoints), but the rank check's random keys are drawn on
     the device the changes came from (a GPU for an LLM: 200 keys over vocabulary-sized changes
     take minutes on a CPU). Here the device is pretended (``meta``) and the draw recorded."""
-    from fedattr.watermarks.tail import RowSubsets
+    from fedattr.watermarks.tail.laws import RowSubsets
 
     law = RowSubsets(4, 16)
     null = CalibratedNull(alpha=0.05, null_keys=9)
@@ -402,19 +403,21 @@ def test_cross_talk_is_undone_on_the_device_of_the_changes(monkeypatch):
     """The changes of an LLM round live on its GPU: undoing cross-talk must stay there (it once
     mixed a CPU accumulator in and failed on the first GPU run). ``meta`` stands in for the GPU;
     the variance, a scalar read, is pretended."""
-    from fedattr.attribution import calibrated
-    from fedattr.watermarks.tail import RowSubsets
+    from fedattr.attribution.calibrated.plan import RoundPlan
+    from fedattr.attribution.calibrated.standardise import standardise_round
+    from fedattr.watermarks.tail.laws import RowSubsets
 
     class Law(RowSubsets):
         def variance(self, W):
             return 1.0
 
-    monkeypatch.setattr(calibrated, "cross_talk", lambda *a, **k: np.eye(3) + 0.2)
-    changes = [{"probes": torch.randn(5, 16, device="meta")} for _ in range(3)]
-    out, decorrelated = calibrated.standardise_round(
-        [0, 1, 2], [0, 1, 2], [None] * 3, changes, None, {"probes": Law(4, 16)}
+    inverse = np.linalg.inv(np.eye(3) + 0.2)
+    plan = RoundPlan(
+        round=1, participants=(0, 1, 2), targets=(0, 1, 2), designs=(), inverse=inverse
     )
-    assert decorrelated and {o["probes"].device.type for o in out} == {"meta"}
+    changes = [{"probes": torch.randn(5, 16, device="meta")} for _ in range(3)]
+    out = standardise_round(plan, changes, None, {"probes": Law(4, 16)})
+    assert {o["probes"].device.type for o in out} == {"meta"}
 
 
 class _CurvedScorer:
@@ -436,7 +439,7 @@ class _CurvedScorer:
         return {"owner": curve(candidate) - curve(reference)}
 
     def key_laws(self):
-        from fedattr.watermarks.tail import Directions
+        from fedattr.watermarks.tail.laws import Directions
 
         return {"owner": Directions(6)}
 
@@ -538,7 +541,7 @@ class _GreenListScorer:
         self.keys = keys
 
     def key_laws(self):
-        from fedattr.watermarks.tail import RowSubsets
+        from fedattr.watermarks.tail.laws import RowSubsets
 
         G = next(iter(self.keys.values()))
         return {"probes": RowSubsets(int(G[0].sum()), G.shape[1])}
@@ -558,7 +561,7 @@ def test_a_change_on_few_cells_reads_p_by_shifting_the_owner_key(few_cells):
     only a bound (patterns); with the key lent, p comes from the shifted-key test instead
     (smaller, and never below the floor ``level / 100`` it adds); ``few_cells = "bound"`` keeps
     the bound."""
-    from fedattr.attribution.calibrated import SHIFTED_FLOOR
+    from fedattr.attribution.calibrated.verdict import SHIFTED_FLOOR
 
     rng = np.random.default_rng(2)
     K, rows, V, m = 6, 40, 64, 16
@@ -579,12 +582,18 @@ def test_a_change_on_few_cells_reads_p_by_shifting_the_owner_key(few_cells):
     null = CalibratedNull(alpha=0.05, null_keys=0, few_cells=few_cells)
     changes = [{"probes": torch.tensor(e)} for e in estimates]
     null.add_round(
-        1, list(range(K)), list(range(K)), designs, changes, None, _GreenListScorer(keys)
+        null.plan(1, list(range(K)), list(range(K)), designs, _GreenListScorer(keys)),
+        changes,
+        None,
+        _GreenListScorer(keys),
     )
     rep = null.report({i: i == 0 for i in range(K)})
     bound = CalibratedNull(alpha=0.05, null_keys=0, few_cells="bound")
     bound.add_round(
-        1, list(range(K)), list(range(K)), designs, changes, None, _GreenListScorer(keys)
+        bound.plan(1, list(range(K)), list(range(K)), designs, _GreenListScorer(keys)),
+        changes,
+        None,
+        _GreenListScorer(keys),
     )
     before = {c.id: c for c in bound.report().clients}
     floor = rep.level * SHIFTED_FLOOR
@@ -611,7 +620,7 @@ def test_reread_rebuilds_a_simulations_keys_and_gives_its_verdicts_again(tiny_ca
     from conftest import small_overrides
     from fedattr.experiments.calibration import reread_run, simulated_keys
     from fedattr.experiments.main import run_or_reuse
-    from fedattr.watermarks.tail import law_from_dict
+    from fedattr.watermarks.tail.laws import law_from_dict
 
     for few_cells, probes in [
         ("shifted-keys", "held-out"),
@@ -652,22 +661,22 @@ def test_reread_rebuilds_a_simulations_keys_and_gives_its_verdicts_again(tiny_ca
 @pytest.mark.parametrize("k", [1, 2, 3, 10, 11])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cellwise_median_is_the_sorted_middle(k, dtype):
-    from fedattr.attribution.calibrated import _median
+    from fedattr.attribution.calibrated.weights import median
 
     gen = torch.Generator().manual_seed(k)
     X = torch.randn(k, 7, 5, generator=gen).to(dtype)
     X[:, 0, 0] = 1.0  # ties
     s = X.sort(dim=0).values
     expected = s[k // 2] if k % 2 else 0.5 * (s[k // 2 - 1] + s[k // 2])
-    got = _median(X)
+    got = median(X)
     assert got.dtype == dtype and torch.equal(got, expected)
-    assert torch.equal(_median(X[:, :, ::2]), expected[:, ::2])  # strided input
+    assert torch.equal(median(X[:, :, ::2]), expected[:, ::2])  # strided input
     # Off the CPU (here: a dtype the partial sort does not take) by blocks of columns, any size.
     half = X.to(torch.bfloat16)
     s = half.sort(dim=0).values
     expected = s[k // 2] if k % 2 else 0.5 * (s[k // 2 - 1] + s[k // 2])
     for block in (1, 7, 3 * k, 10**6):
-        assert torch.equal(_median(half, block=block), expected)
+        assert torch.equal(median(half, block=block), expected)
 
 
 def test_reread_reads_runs_whose_owners_read_parts_of_their_own(tiny_cache, tmp_path):

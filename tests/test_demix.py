@@ -6,14 +6,15 @@ import torch
 from scipy.stats import binom
 
 from fedattr.attribution import LinearScorer
-from fedattr.attribution.calibrated import CalibratedNull, DeMixer
+from fedattr.attribution.calibrated.demix import DeMixer
+from fedattr.attribution.calibrated.sums import CalibratedNull
 from fedattr.attribution.config import AttributionConfig
 from fedattr.attribution.scoring import DEFAULT_STATISTIC
 from fedattr.config import load
 from fedattr.errors import UserError
 from fedattr.pipeline.config import DemoConfig
 from fedattr.pipeline.run import run_demo
-from fedattr.watermarks.tail import Directions
+from fedattr.watermarks.tail.laws import Directions
 
 PART = DEFAULT_STATISTIC
 
@@ -102,7 +103,7 @@ def _federation(seed, K, T, dim, key, marked, signal, alpha, noise=1.0):
 def _read(rounds, K, scorer, **kw):
     null = CalibratedNull(alpha=0.01, null_keys=0, decorrelate=False, **kw)
     for t, (targets, rows, changes, mean) in enumerate(rounds, 1):
-        null.add_round(t, list(range(K)), targets, rows, changes, mean, scorer)
+        null.add_round(null.plan(t, list(range(K)), targets, rows, scorer), changes, mean, scorer)
     return null
 
 
@@ -183,7 +184,9 @@ def test_a_checkpoint_keeps_the_stacked_rounds():
     resumed = CalibratedNull(alpha=0.01, null_keys=0, decorrelate=False)
     resumed.load(first.state())
     for t, (targets, rows, changes, mean) in enumerate(rounds[5:], 6):
-        resumed.add_round(t, list(range(K)), targets, rows, changes, mean, scorer)
+        resumed.add_round(
+            resumed.plan(t, list(range(K)), targets, rows, scorer), changes, mean, scorer
+        )
     again = resumed.report(truth)
     assert [c.log10_p for c in again.clients] == pytest.approx([c.log10_p for c in whole.clients])
     # Loaded after the last round, the stacked rounds are read once the scorer is lent again.
@@ -206,7 +209,7 @@ class _OneGreenScorer:
         self.G[torch.arange(len(green)), torch.tensor(green)] = True
 
     def key_laws(self):
-        from fedattr.watermarks.tail import RowSubsets
+        from fedattr.watermarks.tail.laws import RowSubsets
 
         return {PART: RowSubsets(1, self.G.shape[1])}
 

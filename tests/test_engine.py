@@ -289,7 +289,7 @@ class _KeyedDeviceScorer(_DeviceScorer):
         return {"owner": torch.linspace(-1.0, 1.0, 6) * (1.0 + candidate - reference)}
 
     def key_laws(self):
-        from fedattr.watermarks.tail import Directions
+        from fedattr.watermarks.tail.laws import Directions
 
         return {"owner": Directions(6)}
 

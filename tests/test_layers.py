@@ -19,6 +19,8 @@ STAGES: dict[str, int] = {
     "runtime": 1,
     "updates": 1,
     "config": 1,
+    "linalg": 1,
+    "rows": 1,
     "secagg": 2,
     "data": 2,
     "models": 3,
@@ -108,6 +110,64 @@ def violations(src: Path) -> list[str]:
 
 def test_no_module_imports_from_a_later_stage():
     assert violations(SRC) == []
+
+
+# Within a package whose modules are steps of one computation, the floor of each module: a
+# module imports only modules of a lower floor of its package (the calibrated statistic: what
+# a round goes through, from its plan to the verdict).
+FLOORS: dict[str, dict[str, int]] = {
+    "fedattr.attribution.calibrated": {
+        "__init__": 0,
+        "weights": 0,
+        "crosstalk": 0,
+        "plan": 1,
+        "standardise": 2,
+        "demix": 2,
+        "verdict": 2,
+        "sums": 3,
+        "reading": 4,
+    },
+}
+
+
+def floor_violations(src: Path) -> list[str]:
+    """Imports within a package of :data:`FLOORS` that do not go to a lower floor."""
+    found = []
+    for package, floors in FLOORS.items():
+        folder = src.joinpath(*package.split("."))
+        modules = {p.stem for p in folder.glob("*.py")}
+        if modules != set(floors):
+            found.append(f"{package}: modules {sorted(modules)}, floors for {sorted(floors)}")
+        for path in sorted(folder.glob("*.py")):
+            here = floors.get(path.stem, -1)
+            for line, target in imports_of(path, src):
+                if not target.startswith(package + "."):
+                    continue
+                there = target[len(package) + 1 :].split(".")[0]
+                if floors.get(there, 99) >= here:
+                    found.append(f"{path.relative_to(src)}:{line}: floor {here} imports {target}")
+    return found
+
+
+def test_the_calibrated_statistic_reads_one_way():
+    assert floor_violations(SRC) == []
+
+
+def test_the_gls_stack_and_the_detector_contract_have_one_home_each():
+    """The de-mixer and the cross-round audit share :mod:`fedattr.linalg`'s GLS stack (not the
+    release policy's module); the detector protocols are defined in one module."""
+    for path in (SRC / "fedattr/attribution").rglob("*.py"):
+        targets = [t for _, t in imports_of(path, SRC)]
+        assert "fedattr.secagg.policy" not in targets or path.stem in ("audit", "privacy"), path
+        if path.stem != "contract":
+            tree = ast.parse(path.read_text())
+            protocols = [
+                n.name
+                for n in ast.walk(tree)
+                if isinstance(n, ast.ClassDef)
+                and any(getattr(b, "id", None) == "Protocol" for b in n.bases)
+            ]
+            assert protocols == [], (path, protocols)
 
 
 def test_every_package_has_a_stage():

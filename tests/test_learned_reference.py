@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedattr.attribution.calibrated import CalibratedNull
+from fedattr.attribution.calibrated.sums import CalibratedNull
 from fedattr.attribution.design import own_update_design
 from fedattr.attribution.scoring import DEFAULT_STATISTIC, LinearScorer
 

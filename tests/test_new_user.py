@@ -236,7 +236,7 @@ def test_the_gguf_dequantising_bar_is_off_when_stderr_is_not_a_terminal(
 
 # 13 -------------------------------------------------------------------------------------------
 def test_a_tail_that_is_an_upper_bound_is_labelled_one(tmp_path):
-    from fedattr.attribution.calibrated import BOUNDS
+    from fedattr.attribution.calibrated.verdict import BOUNDS
     from fedattr.attribution.stouffer import AttributionReport, ClientAttribution
     from fedattr.reporting.markdown import UPPER_BOUNDS, attribution_table
 

@@ -265,17 +265,17 @@ def test_the_calibrated_plot_draws_the_verdict_that_results_json_states(tmp_path
     assert results["statistic"] == "calibrated"
     clients = [
         ClientAttribution(
-            c["id"],
-            {int(t): v for t, v in c["z"].items()},
-            c["Z"],
-            c["p"],
-            c["log10_p"],
-            c["flagged"],
-            c["watermarked"],
-            c["statistic"],
-            c.get("p_rank"),
-            c.get("tail"),
-            c.get("calibrated", True),
+            id=c["id"],
+            z={int(t): v for t, v in c["z"].items()},
+            Z=c["Z"],
+            p=c["p"],
+            log10_p=c["log10_p"],
+            flagged=c["flagged"],
+            watermarked=c["watermarked"],
+            statistic=c["statistic"],
+            p_rank=c.get("p_rank"),
+            tail=c.get("tail"),
+            calibrated=c.get("calibrated", True),
         )
         for c in results["clients"]
     ]
@@ -308,7 +308,16 @@ def _calibrated_report(K):
         z = {t: float(rng.normal(2.5 if marked else 0.0)) for t in range(1, 6)}
         flagged = log10_p < math.log10(0.01 / K)
         clients.append(
-            ClientAttribution(cid, z, 0.0, 10**log10_p, log10_p, flagged, marked, "calibrated")
+            ClientAttribution(
+                id=cid,
+                z=z,
+                Z=0.0,
+                p=10**log10_p,
+                log10_p=log10_p,
+                flagged=flagged,
+                watermarked=marked,
+                statistic="calibrated",
+            )
         )
     return AttributionReport(1.0, clients, statistic="calibrated", alpha=0.01)
 

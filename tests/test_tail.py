@@ -7,16 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedattr.watermarks.tail import (
-    BernoulliCells,
-    Directions,
-    RowDraws,
+from fedattr.watermarks.tail.cgf import BernoulliCells, RowDraws, RowSubsetsBound
+from fedattr.watermarks.tail.laws import Directions, RowSubsets, law_from_dict
+from fedattr.watermarks.tail.methods import (
     RowPatternsBound,
-    RowSubsets,
-    RowSubsetsBound,
     chernoff_log10_sf,
     effective_cells,
-    law_from_dict,
     saddlepoint_log10_sf,
     shifted_keys_p,
     tilted_monte_carlo,
@@ -147,7 +143,8 @@ def test_edges_of_the_support_are_valid_and_do_not_crash():
 
 
 def test_small_cells_by_their_cumulant_series_give_the_direct_cgf_and_tail():
-    from fedattr.watermarks.tail import BernoulliCells, chernoff_log10_sf, saddlepoint_log10_sf
+    from fedattr.watermarks.tail.cgf import BernoulliCells
+    from fedattr.watermarks.tail.methods import chernoff_log10_sf, saddlepoint_log10_sf
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal(50_000) * rng.random(50_000) ** 4 * 0.01

@@ -8,15 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from fedattr.attribution.calibrated import (
-    CalibratedNull,
+from fedattr.attribution.calibrated.plan import plan_round
+from fedattr.attribution.calibrated.standardise import (
     ChangeRows,
     standardise_blocks,
     standardise_round,
 )
+from fedattr.attribution.calibrated.sums import CalibratedNull
 from fedattr.attribution.design import own_update_design
-from fedattr.attribution.spill import DiskRows, save_changes
-from fedattr.watermarks.tail import BernoulliCells, DenseRows, RowSubsets, random_values_by_rows
+from fedattr.rows import DenseRows, DiskRows, save_changes
+from fedattr.watermarks.tail.cgf import BernoulliCells
+from fedattr.watermarks.tail.laws import RowSubsets, random_values_by_rows
 
 
 def _centred(W):
@@ -133,16 +135,15 @@ def test_a_round_standardised_by_row_blocks_is_the_round_standardised_whole(toke
     changes = [{"probes": torch.randn(rows, V, generator=gen)} for _ in targets]
     center = {"probes": torch.randn(rows, V, generator=gen)}
     weights = {"probes": torch.rand(rows, V, generator=gen) + 0.5}
-    whole, a = standardise_round(
-        list(range(K)),
-        targets,
-        designs,
+    plan = plan_round(1, list(range(K)), targets, designs)
+    assert plan.undone == undone
+    whole = standardise_round(
+        plan,
         changes,
         center,
         {"probes": law},
-        True,
-        tokens,
-        weights,
+        token_centring=tokens,
+        weights=weights,
         spread=spread,
     )
     got = [torch.zeros(rows, V) for _ in targets]
@@ -154,21 +155,17 @@ def test_a_round_standardised_by_row_blocks_is_the_round_standardised_whole(toke
     readers = [
         {"probes": ChangeRows(rows, V, lambda lo, hi, c=c: c["probes"][lo:hi])} for c in changes
     ]
-    b = standardise_blocks(
-        list(range(K)),
-        targets,
-        designs,
+    standardise_blocks(
+        plan,
         readers,
         center,
         {"probes": law},
         sink,
-        True,
-        tokens,
-        weights,
+        token_centring=tokens,
+        weights=weights,
         cells=4 * V,
         spread=spread,
     )
-    assert a == b == undone
     for w, g in zip(whole, got, strict=True):
         assert torch.allclose(w["probes"], g, atol=1e-6)
         assert float((g.double() ** 2).sum()) * law.v == pytest.approx(1.0, rel=1e-5)
@@ -211,7 +208,7 @@ def _rounds(null, scorer, rows, V, K=6, T=3, by_rows=False):
             changes.append({"probes": ChangeRows(rows, V, lambda lo, hi, x=x: x[lo:hi])})
             if not by_rows:
                 changes[-1] = {"probes": x}
-        null.add_round(t, targets, targets, designs, changes, None, scorer)
+        null.add_round(null.plan(t, targets, targets, designs, scorer), changes, None, scorer)
     return null
 
 
@@ -261,7 +258,7 @@ def test_a_round_held_on_disk_gives_the_bits_of_the_round_held_in_memory(tmp_pat
     nulls = {}
     for held in (False, True):
         null = CalibratedNull(null_keys=0, spill=tmp_path / str(held), block_cells=7 * V)
-        assert null.by_rows(targets, targets, designs, scorer)
+        assert null.plan(1, targets, targets, designs, scorer).by_rows
         given = [null.hold(1, str(k), c, laws) for k, c in enumerate(changes)] if held else changes
         if held:
             assert all(isinstance(g["probes"], ChangeRows) for g in given)
@@ -270,7 +267,7 @@ def test_a_round_held_on_disk_gives_the_bits_of_the_round_held_in_memory(tmp_pat
             assert torch.equal(
                 given[2]["probes"].read(5, 9), changes[2]["probes"].view(rows, V)[5:9]
             )
-        null.add_round(1, targets, targets, designs, given, None, scorer)
+        null.add_round(null.plan(1, targets, targets, designs, scorer), given, None, scorer)
         null.release(1)
         nulls[held] = null
     assert not (tmp_path / "True" / "round-1").exists()
@@ -298,7 +295,7 @@ def test_changes_saved_by_row_blocks_read_as_safetensors_wrote_them(tmp_path):
     assert new.keys() == old.keys()
     for k in new:
         assert new[k].dtype == torch.float32 and torch.equal(new[k], old[k])
-    from fedattr.attribution.spill import SavedRows, open_changes
+    from fedattr.rows import SavedRows, open_changes
 
     lazy = open_changes(tmp_path / "new.safetensors", lazy_bytes=0)
     assert all(isinstance(v, SavedRows) for v in lazy.values())
@@ -405,7 +402,7 @@ def test_a_short_run_with_spilled_sums_gives_the_verdicts_of_one_held_in_memory(
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6)
     # Read again from the saved changes, a large file a block of rows at a time: the verdicts.
-    from fedattr.attribution import spill as spill_module
+    from fedattr import rows as spill_module
     from fedattr.experiments.calibration import reread_run
 
     whole = spill_module.open_changes
@@ -419,12 +416,12 @@ def test_a_short_run_with_spilled_sums_gives_the_verdicts_of_one_held_in_memory(
 
 
 def test_cross_talk_undone_a_block_at_a_time_has_the_bits_of_term_by_term():
-    from fedattr.attribution.calibrated import _combine
+    from fedattr.attribution.calibrated.crosstalk import combine
 
     gen = torch.Generator().manual_seed(13)
     Y = torch.randn(7, 1000, generator=gen) * torch.logspace(-3, 3, 1000)
     inv = np.linalg.inv(np.eye(7) + 0.3 * np.random.default_rng(13).random((7, 7)))
-    assert torch.equal(_combine(inv, Y, at_once=True), _combine(inv, Y, at_once=False))
+    assert torch.equal(combine(inv, Y, at_once=True), combine(inv, Y, at_once=False))
 
 
 def test_bench_verdicts_streams_to_the_verdicts_held_whole(capsys):

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedattr.attribution.calibrated import spread_weights, standardise_round, taper_weights
+from fedattr.attribution.calibrated.plan import plan_round
+from fedattr.attribution.calibrated.standardise import standardise_round
+from fedattr.attribution.calibrated.weights import spread_weights, taper_weights
 from fedattr.attribution.config import AttributionConfig
 from fedattr.attribution.design import DesignStats, QueryDesign
 from fedattr.config import ConfigError, load
 from fedattr.pipeline.config import RunConfig
-from fedattr.watermarks.tail import RowSubsets
+from fedattr.watermarks.tail.laws import RowSubsets
 
 
 class _Distributions:
@@ -51,29 +53,20 @@ def test_a_taper_keeps_undoing_cross_talk_exact_and_the_round_key_free():
     ref = torch.rand(rows, cols, generator=gen, dtype=torch.float64) + 0.01
     weights = taper_weights(_Distributions(), ref, 0.5, 0.05)
     law = {"probes": RowSubsets(2, cols)}
-    by_estimates, undone = standardise_round(
-        range(K),
-        range(K),
-        designs,
-        [{"probes": m.float()} for m in mixed],
-        None,
-        law,
-        weights=weights,
+    plan = plan_round(1, range(K), range(K), designs)
+    assert plan.undone
+    by_estimates = standardise_round(
+        plan, [{"probes": m.float()} for m in mixed], None, law, weights=weights
     )
-    assert undone
-    exact, _ = standardise_round(
-        range(K),
-        range(K),
-        [_design(i, {}, K) for i in range(K)],
+    exact = standardise_round(
+        plan_round(1, range(K), range(K), [_design(i, {}, K) for i in range(K)]),
         [{"probes": (o * weights["probes"]).float()} for o in own],
         None,
         law,
     )
     for a, b in zip(by_estimates, exact, strict=True):
         assert a["probes"].numpy() == pytest.approx(b["probes"].numpy(), abs=1e-4)
-    plain, _ = standardise_round(
-        range(K), range(K), designs, [{"probes": m.float()} for m in mixed], None, law
-    )
+    plain = standardise_round(plan, [{"probes": m.float()} for m in mixed], None, law)
     assert not np.allclose(plain[0]["probes"].numpy(), by_estimates[0]["probes"].numpy())
 
 
@@ -119,10 +112,8 @@ def test_spread_weights_lift_a_key_signal_that_sits_beside_wide_drift():
     law = RowSubsets(m, V)
 
     def log10_p(spread, client):
-        out, _ = standardise_round(
-            range(K),
-            range(K),
-            designs,
+        out = standardise_round(
+            plan_round(1, range(K), range(K), designs),
             [{"probes": x} for x in X],
             None,
             {"probes": law},

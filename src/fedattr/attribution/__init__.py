@@ -4,6 +4,7 @@ Runs on plain tensors: nothing here needs a language model.
 """
 
 from .config import AttributionConfig, harden
+from .contract import PairedScorer, Scorer
 from .design import (
     DesignError,
     DesignStats,
@@ -18,7 +19,7 @@ from .estimator import combine_answers, design_queries, estimate_update, predict
 from .privacy import acceptance_rate, joint_recovery, summarize, theorem4_bound
 from .protocol import FedAttr
 from .records import Estimate, RoundEstimates, RoundRecord, TargetRecord
-from .scoring import DifferentialScorer, LinearScorer, PairedScorer, Scorer
+from .scoring import DifferentialScorer, LinearScorer
 from .statistics import CalibratedStatistic, PaperStatistic, Statistic
 from .stouffer import AttributionReport, ClientAttribution, build_report, stouffer, upper_tail
 

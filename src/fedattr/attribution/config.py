@@ -59,14 +59,14 @@ class AttributionConfig:
     2026-11-26) reads p by a randomization test over the owner's key shifted row by row, exact
     at any number of keys, where the detector lends the key (KGW reading; not ``--reread`` or
     owner scoring, which keep the bound); ``bound`` keeps the bound (see
-    :func:`~fedattr.watermarks.tail.shifted_keys_p`)."""
+    :func:`~fedattr.watermarks.tail.methods.shifted_keys_p`)."""
     taper: float = 0.5
     """``calibrated`` with KGW: read each cell of a change with weight ``min(1, taper_from /
     p) ** taper``, ``p`` its token's probability under the round's reference model (key-free:
     the exact tail still holds). 0.5 (default since 2026-11-26) reads a likely token's change
     over ``sqrt(p)``, the Fisher-information scale of a probability, where it is mostly the
     client's drift rather than a key's signal; 0 reads every cell alike, as before (see
-    :func:`~fedattr.attribution.calibrated.taper_weights`)."""
+    :func:`~fedattr.attribution.calibrated.weights.taper_weights`)."""
     taper_from: float = 0.01
     """``calibrated`` with KGW: the probability above which :attr:`taper` lowers a cell's
     weight (below it every cell keeps weight 1)."""
@@ -101,7 +101,7 @@ class AttributionConfig:
     """``calibrated``: keep each client's summed change on disk (float32, a temporary folder)
     rather than in memory (float64), and standardise each round a block of rows at a time from
     its changes, written to disk as they are read, so the verdict's memory does not grow with
-    clients x contexts x vocabulary (:mod:`fedattr.attribution.spill`). Its p-values agree
+    clients x contexts x vocabulary (:mod:`fedattr.rows`). Its p-values agree
     with the in-memory sums' to about 1e-6 in ``log10 p`` (float32 sums); the rank check draws
     its keys by rows (other keys of the same law)."""
     decorrelate: bool = True

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..fl.server import Observer, RoundContext, RoundEngine
-from ..secagg.policy import EXACT_TOL, in_range, psd_pinv, row_space_basis
+from ..linalg import EXACT_TOL, StackedGLS, in_range, psd_pinv, row_space_basis
 from ..secagg.queries import QueryRecord
 from .audit import round_designs
 
@@ -137,9 +137,10 @@ def audit_cross_round(
 
 @dataclass
 class _Stacked:
-    """One session's running sums: GLS ``F``, ``sum A_t^+ Y_t``; OLS ``sum A^T A``, ``A^T Y``."""
+    """One session's running sums: GLS ``F`` (:class:`~fedattr.linalg.StackedGLS`) and
+    ``sum A_t^+ Y_t``; OLS ``sum A^T A``, ``A^T Y``."""
 
-    f: np.ndarray
+    stack: StackedGLS
     gls: np.ndarray
     gram: np.ndarray
     ols: np.ndarray
@@ -205,11 +206,11 @@ class CrossRoundAttack:
             acc = self._sessions.get(session)
             if acc is None:
                 z = np.zeros
-                acc = _Stacked(z((K, K)), z((K, d)), z((K, K)), z((K, d)), z((K, d)), z(K))
+                acc = _Stacked(
+                    StackedGLS(range(K)), z((K, d)), z((K, K)), z((K, d)), z((K, d)), z(K)
+                )
                 self._sessions[session] = acc
-            pinv = np.linalg.pinv(a, rcond=max(a.shape) * np.finfo(float).eps * 10)
-            acc.f += pinv @ a
-            acc.gls += pinv @ y
+            acc.gls += acc.stack.add(a) @ y
             acc.gram += a.T @ a
             acc.ols += a.T @ y
             # The reference guess: each client's update is the round's public mean update.
@@ -235,8 +236,8 @@ class CrossRoundAttack:
             sessions = {name: _plus(acc, public) for name, acc in sessions.items()}
         out = {}
         for session, acc in sorted(sessions.items()):
-            ok = in_range(acc.f)
-            gls = psd_pinv(acc.f) @ acc.gls
+            ok = acc.stack.identifiable()
+            gls = acc.stack.inverse() @ acc.gls
             ols = psd_pinv(acc.gram) @ acc.ols
             guess = np.zeros_like(acc.public_sum)
             has = acc.public_n > 0

@@ -4,8 +4,9 @@ Every round folder of the run (:mod:`fedattr.attribution.round_folder`) must hol
 manifest and at least one owner's ``scores-*.json`` (written by :mod:`fedattr.owner.score`);
 every round must have been scored by the same owners. The scores go through the calibrated
 statistic exactly as a run that scores on its own server
-(:class:`~fedattr.attribution.calibrated.CalibratedNull`), so the verdicts are the same. Writing
-them into the run folder is :meth:`fedattr.reporting.run_folder.RunFolder.write_owner_scored`'s.
+(:class:`~fedattr.attribution.calibrated.sums.CalibratedNull`), so the verdicts are the same.
+Writing them into the run folder is
+:meth:`fedattr.reporting.run_folder.RunFolder.write_owner_scored`'s.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 
 from ..config import from_dict
 from ..errors import UserError
-from ..watermarks.tail import law_from_dict
-from .calibrated import CalibratedNull
+from ..watermarks.tail.laws import law_from_dict
+from .calibrated.sums import CalibratedNull
 from .config import AttributionConfig
 from .round_folder import (
     design_from_dict,
@@ -52,11 +53,12 @@ def attribute_run(run_dir: str | Path) -> tuple[AttributionReport, list[str]]:
                 f"round folder {str(folder)!r} is scored by {sorted(scores)}, the first round "
                 f"by {owners}: every round needs the same owners"
             )
-        null.decorrelated[t] = null.decorrelates(
+        null.decorrelated[t] = null.plan(
+            t,
             manifest["participants"],
             manifest["targets"],
             [design_from_dict(d) for d in manifest["designs"]],
-        )
+        ).undone
         if att.late_rounds == "skip" and t > 1:
             continue  # round 1 only: the rounds whose reference no update has reached
         for owner, s in scores.items():

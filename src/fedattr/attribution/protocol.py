@@ -21,10 +21,11 @@ from ..secagg.batches import QueryGroup
 from ..secagg.errors import QueryRefused
 from ..updates import add_update
 from .config import AttributionConfig
+from .contract import PairedScorer, Scorer
 from .design import DesignError, QueryDesign, draw_design, validate_parameters
 from .estimator import design_queries, design_reduction
 from .records import Estimate, RoundEstimates, RoundRecord
-from .scoring import ApplyUpdate, PairedScorer, Scorer
+from .scoring import ApplyUpdate
 from .statistics import STATISTICS, OnTarget, Statistic
 from .stouffer import AttributionReport
 

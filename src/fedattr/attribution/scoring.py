@@ -1,4 +1,4 @@
-"""The scorer interface and the differential score.
+"""Scoring helpers and the differential score (the scorer protocols: :mod:`.contract`).
 
 A scorer maps model parameters to a detection statistic (larger = more watermark), e.g. the
 KGW z-score of a model's greedy generations. The differential score
@@ -6,51 +6,24 @@ KGW z-score of a model's greedy generations. The differential score
 reference model, which already carries the watermark accumulated in earlier rounds; the
 reference is scored once per round and reused for every target, with the same prompts.
 
-A *paired* scorer (:class:`PairedScorer`) replaces the subtraction by a test of the change
-itself: it observes the reference once (``observe``) and contrasts each estimate's observation
-with it (``contrast``). This is how a statistic whose null variance depends on the size of the
-change (e.g. the teacher-forced KGW green-mass contrast) plugs into the same protocol.
+A *paired* scorer (:class:`~fedattr.attribution.contract.PairedScorer`) replaces the
+subtraction by a test of the change itself: it observes the reference once (``observe``) and
+contrasts each estimate's observation with it (``contrast``). This is how a statistic whose
+null variance depends on the size of the change (e.g. the teacher-forced KGW green-mass
+contrast) plugs into the same protocol.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, cast, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from ..updates import Update, add_update
-from ..watermarks.tail import Directions
-
-
-class Scorer(Protocol):
-    """Callable on model parameters returning a detection statistic.
-
-    Either one float, or a mapping of named statistics (e.g. one KGW z per corpus owner's key,
-    computed from the same generations) that FedAttr tracks side by side.
-    """
-
-    def __call__(self, params: Any) -> float | Mapping[str, float]: ...
-
-
-@runtime_checkable
-class PairedScorer(Protocol):
-    """A scorer that tests the change between a reference and a candidate model directly.
-
-    It may also offer ``observe_many(list_of_params)`` and ``batched`` (:class:`BatchedScorer`:
-    one observation per entry, in order) to evaluate a round's candidates in one batched pass;
-    without them they are observed one by one.
-    """
-
-    def observe(self, params: Any) -> Any:
-        """What the scorer needs to know of a model (e.g. its next-token distributions)."""
-        ...
-
-    def contrast(self, reference: Any, candidate: Any) -> float | Mapping[str, float]:
-        """The statistic of ``candidate`` against ``reference`` (observations)."""
-        ...
-
+from ..watermarks.tail.laws import Directions
+from .contract import BatchedScorer, DeclaresNull, PairedScorer, Scorer
 
 DEFAULT_STATISTIC = "score"
 """Name given to the value of a scorer that returns a single float."""
@@ -117,61 +90,6 @@ class LinearScorer:
         return {DEFAULT_STATISTIC: (float(torch.dot(self.direction, change)) / self.scale, null)}
 
 
-@runtime_checkable
-class BatchedScorer(PairedScorer, Protocol):
-    """A paired scorer that observes several parameter sets in one pass, when ``batched`` says
-    it can (a scorer that would only loop over ``observe`` says ``False``: it is better fed
-    lazily, one candidate's parameters at a time)."""
-
-    batched: bool
-
-    def observe_many(self, many: Sequence[Any]) -> list[Any]:
-        """One observation per entry of ``many``, in order."""
-        ...
-
-
-@runtime_checkable
-class DeclaresNull(Protocol):
-    """A scorer that says under which null its statistic is read: ``theoretical`` (unit
-    variance of its own) or ``empirical`` (to be standardised across clients)."""
-
-    null: str
-
-
-@runtime_checkable
-class ProbeScorer(Protocol):
-    """A paired scorer that exposes the per-probe values behind its statistic (FLForensics'
-    influence features)."""
-
-    def observe(self, params: Any) -> Any: ...
-
-    def probe_values(self, observation: Any) -> np.ndarray:
-        """One value per probe (token position, question, ...) of an observation."""
-        ...
-
-
-@runtime_checkable
-class KeyStatisticScorer(Protocol):
-    """A scorer that reads a change with the owner's key and with ``n`` references (random
-    keys, decoys): FLForensics' reference features."""
-
-    def key_statistics(
-        self, reference: Any, candidate: Any, n: int, seed: int
-    ) -> Mapping[str, tuple[float, np.ndarray]]:
-        """Owner -> (the owner's statistic, the ``n`` references' statistics)."""
-        ...
-
-
-@runtime_checkable
-class CalibratedContrast(Protocol):
-    """A paired scorer whose contrast needs an empirical null, offering a calibrated test of
-    one model against a reference for the global-model test."""
-
-    def calibrated_contrast(self, reference: Any, candidate: Any) -> float | Mapping[str, float]:
-        """The contrast as a calibrated z."""
-        ...
-
-
 def scorer_null(scorer: Any) -> str:
     """``empirical`` when the scorer's statistic has no null scale of its own, else
     ``theoretical``."""
@@ -189,6 +107,18 @@ def observe_all(scorer: Any, params: Iterable[Any]) -> Iterable[Any]:
     if observes_in_batches(scorer):
         return scorer.observe_many(list(params))
     return (scorer.observe(p) for p in params)
+
+
+def observe_each(scorer: Any, params: Iterable[Any]) -> Iterator[Any]:
+    """:func:`observe_all` one observation at a time, a batched read's list emptied as it goes
+    (so its readings are freed as they are used, as a lazy read's are)."""
+    items = observe_all(scorer, params)
+    if isinstance(items, list):
+        items.reverse()
+        while items:
+            yield items.pop()
+    else:
+        yield from items
 
 
 def observes_in_batches(scorer: Any) -> bool:

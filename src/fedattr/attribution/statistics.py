@@ -16,27 +16,20 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import chain
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from ..errors import UserError
 from ..updates import add_update, scale_update
-from .calibrated import (
-    CalibratedNull,
-    LinearKeyScorer,
-    SpreadReporter,
-    SteppedReading,
-    taper_weights,
-    undo_updates,
-)
+from .calibrated.reading import read_round
+from .calibrated.sums import CalibratedNull
 from .config import AttributionConfig
+from .contract import LinearKeyScorer
 from .records import Estimate, RoundEstimates, RoundRecord, TargetRecord
 from .scoring import (
     DEFAULT_STATISTIC,
     ApplyUpdate,
     DifferentialScorer,
-    observe_all,
     observes_in_batches,
     scorer_null,
 )
@@ -230,7 +223,8 @@ class CalibratedStatistic(Statistic):
         center: Any,
         on_target: OnTarget | None,
     ) -> RoundRecord:
-        """Every estimate's key-linear change, then :class:`CalibratedNull`."""
+        """Every estimate's key-linear change, read into :class:`CalibratedNull` with the
+        round's plan (:func:`~fedattr.attribution.calibrated.reading.read_round`)."""
         if not isinstance(scorer, LinearKeyScorer):
             raise UserError(
                 "attribution.statistic=calibrated: this detector's statistic is not linear in "
@@ -239,75 +233,25 @@ class CalibratedStatistic(Statistic):
         if not self.calibrated.reads(estimates.round, scorer):
             return self._unread(estimates, scorer, on_target)
         t0 = time.perf_counter()
-        # The reference, every candidate and the SA mean: one batched read when the scorer
-        # offers it (else lazily, one candidate's parameters at a time). The SA mean only
-        # matters where the round's cross-talk cannot be undone: not read otherwise.
-        targets = [e.target for e in estimates.estimates]
-        designs = [e.design for e in estimates.estimates]
-        if center is not None and self.calibrated.decorrelates(
-            estimates.participants, targets, designs
-        ):
-            center = None
-        extra = [] if center is None else [center]
-        if self.config.undo == "updates":
-            # Cross-talk undone on the estimates: each model read is w + Delta_i itself.
-            updates, designs = undo_updates(
-                estimates.participants, targets, designs, updates, self.calibrated.decorrelate
-            )
-        step = self.config.reading_step
-        if step is None:
-            step = scorer.reading_step if isinstance(scorer, SteppedReading) else 1.0
-        # Scaled as each model is built (not all up front): a lazy read holds one candidate.
-        reads = _drained(
-            observe_all(
-                scorer,
-                chain(
-                    [reference],
-                    (
-                        apply(reference, u if step == 1.0 else scale_update(u, step))
-                        for u in chain(updates, extra)  # an undone update made as it is read
-                    ),
-                ),
-            )
-        )
-        ref_obs = next(reads)
-        # Before the candidates are read: its float64 temporaries then sit beside no change.
-        weights = self.calibrated.round_weights(
+        plan = self.calibrated.plan(
             estimates.round,
-            lambda: taper_weights(scorer, ref_obs, self.config.taper, self.config.taper_from),
+            estimates.participants,
+            [e.target for e in estimates.estimates],
+            [e.design for e in estimates.estimates],
+            scorer,
         )
-        # Each reading made into its change as soon as it is read and then dropped: a round
-        # holds its changes, not its readings too (11 x 54 MB each at SmolLM2's 275 contexts).
-        # A round read by rows keeps its changes on disk as they are made (spilled sums).
-        kept = self.calibrated
-        on_disk = kept.by_rows(estimates.participants, targets, designs, scorer)
-        laws = scorer.key_laws()
-        spread, changes = [], []
-        for k, obs in enumerate(reads):
-            if isinstance(scorer, SpreadReporter) and k < len(updates):
-                spread.append(scorer.effective_contexts(ref_obs, obs))
-            change = _per_step(scorer.change(ref_obs, obs), step)
-            del obs
-            changes.append(kept.hold(estimates.round, str(k), change, laws) if on_disk else change)
-            del change
-        del reads, updates, extra  # every model is read: the undone updates are not kept
-        middle = changes.pop() if center is not None else None
-        try:
-            display = kept.add_round(
-                estimates.round,
-                estimates.participants,
-                targets,
-                designs,
-                changes,
-                middle,
-                scorer,
-                weights,
-                mean_row=not estimates.dropouts,
-            )
-        finally:
-            if on_disk:
-                kept.release(estimates.round)
-        each = (time.perf_counter() - t0) / max(1, len(targets))
+        read = read_round(
+            self.calibrated,
+            plan,
+            updates,
+            reference,
+            scorer,
+            apply,
+            center,
+            config=self.config,
+            mean_row=not estimates.dropouts,
+        )
+        each = (time.perf_counter() - t0) / max(1, len(plan.targets))
         record = RoundRecord(
             estimates.round,
             list(estimates.participants),
@@ -315,11 +259,11 @@ class CalibratedStatistic(Statistic):
             skipped=list(estimates.skipped),
             dropouts=list(estimates.dropouts),
             decorrelated=self.calibrated.decorrelated.get(estimates.round),
-            models_scored=1 + len(changes) + (middle is not None),
+            models_scored=read.models,
         )
         for k, est in enumerate(estimates.estimates):
-            contexts = spread[k] if spread else None
-            self._keep(record, est, display[est.target], each, on_target, contexts)
+            contexts = read.contexts[k] if read.contexts else None
+            self._keep(record, est, read.display[est.target], each, on_target, contexts)
         return record
 
     def _unread(
@@ -355,7 +299,7 @@ class CalibratedStatistic(Statistic):
     def changes(self) -> tuple[dict[str, Any], dict[str, dict]]:
         kept = self.calibrated
         kept.settle()  # rounds kept for de-mixing: their de-mixed change is in each W
-        merged, _ = kept.merged()
+        merged = kept.evidence().W
         flat = {f"{c}/{p}": W for c, parts in merged.items() for p, W in parts.items()}
         return flat, dict(kept.laws)
 
@@ -365,22 +309,6 @@ class CalibratedStatistic(Statistic):
     def load(self, state: Mapping) -> None:
         super().load(state)
         self.calibrated.load(state["calibrated"])
-
-
-def _drained(items: Iterable[Any]) -> Iterator[Any]:
-    """``items`` one by one, a list emptied as it goes (so a batched read's readings are freed
-    as they are used, as a lazy read's are)."""
-    if isinstance(items, list):
-        items.reverse()
-        while items:
-            yield items.pop()
-    else:
-        yield from items
-
-
-def _per_step(change: dict[str, Any], step: float) -> dict[str, Any]:
-    """A change read at ``w + step * estimate``, per unit of the estimate."""
-    return change if step == 1.0 else {k: v / step for k, v in change.items()}
 
 
 STATISTICS: dict[str, type[Statistic]] = {s.name: s for s in (PaperStatistic, CalibratedStatistic)}

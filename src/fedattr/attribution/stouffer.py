@@ -27,9 +27,10 @@ def upper_tail(z: float) -> tuple[float, float]:
     return float(norm.sf(z)), float(norm.logsf(z) / _LN10)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ClientAttribution:
-    """One client's attribution result."""
+    """One client's attribution result (built by keyword: nine of its fields are numbers or
+    flags that a positional call would let slip into each other's place)."""
 
     id: int
     z: dict[int, float]

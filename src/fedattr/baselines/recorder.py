@@ -21,13 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..attribution.scoring import (
-    CalibratedContrast,
-    KeyStatisticScorer,
-    ProbeScorer,
-    as_statistics,
-    is_paired,
-)
+from ..attribution.contract import CalibratedContrast, KeyStatisticScorer, ProbeScorer
+from ..attribution.scoring import as_statistics, is_paired
 from ..attribution.stouffer import build_report, combine_reports, empirical_null, upper_tail
 from ..updates import Update, UpdateLayout, scale_update
 from .config import FLDetectorConfig, FLForensicsConfig

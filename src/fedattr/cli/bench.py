@@ -61,7 +61,7 @@ def _cmd_bench_scoring(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_verdicts(args: argparse.Namespace) -> int:
-    from ..experiments.bench import bench_verdicts, format_verdicts
+    from ..experiments.bench_verdicts import bench_verdicts, format_verdicts
 
     fig = bench_verdicts(
         args.clients,

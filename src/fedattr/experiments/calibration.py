@@ -33,7 +33,7 @@ from ..pipeline.config import PRESET_OVERRIDES, DemoConfig, RunConfig, check_see
 from ..pipeline.run import run_demo
 from ..reporting.markdown import table
 from ..reporting.run_folder import RunFolder
-from ..watermarks.tail import MIN_EFFECTIVE_CELLS
+from ..watermarks.tail.methods import MIN_EFFECTIVE_CELLS
 from .main import run_or_reuse
 
 BEDS: dict[str, list[str]] = {
@@ -183,8 +183,8 @@ def reread_run(folder: str | Path) -> dict:
 
     import torch
 
-    from ..attribution.calibrated import CalibratedNull
-    from ..attribution.spill import open_changes
+    from ..attribution.calibrated.sums import CalibratedNull
+    from ..rows import open_changes
 
     run = RunFolder(folder)
     results = run.results()
@@ -551,13 +551,12 @@ def tail_check(
     from safetensors.torch import load_file
     from scipy.optimize import brentq
 
-    from ..watermarks.tail import (
-        BernoulliCells,
+    from ..watermarks.tail.cgf import BernoulliCells
+    from ..watermarks.tail.laws import RowSubsets, law_from_dict
+    from ..watermarks.tail.methods import (
         RowPatternsBound,
-        RowSubsets,
         chernoff_log10_sf,
         effective_cells,
-        law_from_dict,
         saddlepoint_log10_sf,
         tilted_monte_carlo,
     )

@@ -4,7 +4,7 @@ For every round folder (see :mod:`fedattr.attribution.round_folder`) the owner r
 model from ``rounds/run.json``, reads the reference ``w^{t-1}``, each estimate applied to it and
 (where the round's cross-talk is not undone) the round's SA mean with its detector, and turns
 them into each target's standardised change exactly as a server that scores in process does
-(:func:`~fedattr.attribution.calibrated.standardise_round`). It writes
+(:func:`~fedattr.attribution.calibrated.standardise.standardise_round`). It writes
 ``scores-<fingerprint>.json`` (each target's value under the owner's key, and the key law) and
 ``changes-<fingerprint>.safetensors`` (the standardised changes, key-free: ``fedattr attribute``
 sums them over rounds for the exact tail) beside the round's files. Neither reveals the key
@@ -98,12 +98,9 @@ class OwnerScorer:
     def score(self, folder: str | Path, manifest: dict | None = None) -> Path:
         """Score one round folder (``manifest``: its :func:`read_manifest`, when the caller
         has already checked it); returns the scores file written there."""
-        from ..attribution.calibrated import (
-            cross_talk,
-            standardise_round,
-            taper_weights,
-            undo_updates,
-        )
+        from ..attribution.calibrated.plan import plan_round, undo_updates
+        from ..attribution.calibrated.standardise import standardise_round
+        from ..attribution.calibrated.weights import taper_weights
         from ..attribution.round_folder import design_from_dict
         from ..attribution.scoring import observe_all
 
@@ -111,49 +108,48 @@ class OwnerScorer:
         manifest = manifest if manifest is not None else read_manifest(folder)
         reference, updates = read_round_tensors(folder, manifest)
         scorer = self.scorer
-        # The SA mean's change serves only a round whose cross-talk is not undone (decided from
-        # the same manifest and run configuration): otherwise its model is not read, as the
-        # server's in-process scoring does not read it.
-        designs = [design_from_dict(d) for d in manifest["designs"]]
-        decorrelate = self.config.attribution.decorrelate
-        needs_center = (
-            cross_talk(manifest["participants"], manifest["targets"], designs, decorrelate) is None
-        )
         attribution = self.config.attribution
-        if attribution.undo == "updates":
-            # As the server's in-process scoring: cross-talk undone on the estimates.
-            updates, designs = undo_updates(
-                manifest["participants"], manifest["targets"], designs, updates, decorrelate
-            )
+        # Planned from the same manifest and run configuration as the server's in-process
+        # scoring: the SA mean's change serves only a round whose cross-talk is not undone
+        # (otherwise its model is not read), and with undo = "updates" each model read is the
+        # client's own update.
+        plan = plan_round(
+            int(manifest["round"]),
+            manifest["participants"],
+            manifest["targets"],
+            [design_from_dict(d) for d in manifest["designs"]],
+            decorrelate=attribution.decorrelate,
+            undo=attribution.undo,
+            # A centre of the clients' only in round 1, whose reference no update has reached.
+            centred=attribution.centre == "every"
+            or (attribution.centre == "first" and int(manifest["round"]) <= 1),
+        )
+        updates = undo_updates(plan, updates)
         # The same reads, in the same order, as the server's in-process scoring.
         ref_obs = scorer.observe(reference)
         observed = list(observe_all(scorer, (self.apply(reference, u) for u in updates)))
-        if needs_center:
+        if plan.reads_center:
             observed.append(scorer.observe(self.apply(reference, read_center(folder))))
         changes = [scorer.change(ref_obs, o) for o in observed]
-        middle = changes.pop() if needs_center else None
+        middle = changes.pop() if plan.reads_center else None
         laws = scorer.key_laws()
         t = int(manifest["round"])
-        # As the server's in-process scoring (CalibratedNull): a centre of the clients' only in
-        # round 1, whose reference no update has reached; the cell weights round 1's.
+        # As the server's in-process scoring (CalibratedNull): round 1's cell weights, read
+        # every later round with.
         first = attribution.cell_weights == "first" and t > 1
         if first:
             weights, spread = self._first_weights(folder)
         else:
             weights = taper_weights(scorer, ref_obs, attribution.taper, attribution.taper_from)
             spread = {}
-        standard, _ = standardise_round(
-            manifest["participants"],
-            manifest["targets"],
-            designs,
+        standard = standardise_round(
+            plan,
             changes,
             middle,
             laws,
-            decorrelate,
-            attribution.token_centring,
-            weights,
+            token_centring=attribution.token_centring,
+            weights=weights,
             spread=attribution.spread,
-            centre=attribution.centre == "every" or (attribution.centre == "first" and t <= 1),
             frozen_spread=spread if first else None,
             keep_spread=None if first else (lambda part, lo, w: spread.__setitem__(part, w)),
         )
@@ -170,7 +166,7 @@ class OwnerScorer:
             "texts": scorer.positions,
             "targets": values,
             "law": laws["probes"].describe(),
-            "decorrelated": not needs_center,
+            "decorrelated": plan.undone,
         }
         return write_scores(folder, out, tensors)
 

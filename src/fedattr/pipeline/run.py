@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from ..attribution.config import AttributionConfig
+from ..attribution.contract import KeyStatisticScorer, ProbeScorer
 from ..attribution.crossround import CrossRoundObserver
 from ..attribution.export import ExportObserver
 from ..attribution.observer import AttributionObserver, CeilingObserver
 from ..attribution.protocol import FedAttr
-from ..attribution.scoring import KeyStatisticScorer, LinearScorer, ProbeScorer, scorer_null
+from ..attribution.scoring import LinearScorer, scorer_null
 from ..attribution.stouffer import AttributionReport
 from ..baselines import BaselineRecorder, BaselineResult
 from ..baselines.observer import BaselineObserver
@@ -131,7 +132,7 @@ class RunResult:
             folder = RunFolder(folder)
             folder.claim(to_dict(self.config))
         if self.changes:  # before results.json, which marks the run finished
-            from ..attribution.spill import save_changes
+            from ..rows import save_changes
 
             # A block of rows at a time where a change is spilled to disk.
             save_changes(folder.file("changes.safetensors"), self.changes)

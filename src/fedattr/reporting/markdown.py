@@ -39,7 +39,7 @@ def p_value(p: float | None, log10_p: float | None = None) -> str:
 
 UPPER_BOUNDS = ("patterns", "chernoff")
 """The calibrated statistic's tail methods that give an upper bound on the tail, not the tail
-(``attribution.calibrated.BOUNDS``): a p from one is conservative."""
+(``attribution.calibrated.verdict.BOUNDS``): a p from one is conservative."""
 
 
 def tail_label(method: str | None) -> str:

@@ -10,7 +10,7 @@ isotropic Gaussians, the answers carry
 
 about ``Delta_j``. For one released FedAttr estimate (row ``e_i + alpha``) this is
 ``1/2 log(1 + 1/c_i)``: the Gaussian term of the paper's Theorem 4, which this generalises to
-any set of joint releases.
+any set of joint releases. The rank decisions are :mod:`fedattr.linalg`'s.
 """
 
 from __future__ import annotations
@@ -21,37 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..linalg import EXACT_TOL, row_space_basis
 from .errors import QueryRefused
-
-EXACT_TOL = 1e-9
-"""``||P e_j||^2 >= 1 - EXACT_TOL`` counts as exact recovery (numerical rank tolerance)."""
-
-
-def row_space_basis(rows: np.ndarray) -> np.ndarray:
-    """An orthonormal basis (one per row) of the span of ``rows``, by SVD at the numerical
-    rank tolerance every audit uses."""
-    rows = np.atleast_2d(np.asarray(rows, dtype=float))
-    if rows.size == 0:
-        return np.zeros((0, rows.shape[1]))
-    _, s, vt = np.linalg.svd(rows, full_matrices=False)
-    rank = int(np.sum(s > s.max() * max(rows.shape) * np.finfo(float).eps * 10))
-    return vt[:rank]
-
-
-def psd_pinv(f: np.ndarray) -> np.ndarray:
-    """Pseudo-inverse of a symmetric PSD matrix at the audits' rank tolerance."""
-    if f.size == 0:
-        return f.copy()
-    w, v = np.linalg.eigh(f)
-    keep = w > max(w.max(), 0.0) * f.shape[0] * np.finfo(float).eps * 10
-    return (v[:, keep] / w[keep]) @ v[:, keep].T
-
-
-def in_range(f: np.ndarray) -> np.ndarray:
-    """``||P e_j||^2 >= 1 - EXACT_TOL`` per column j, P the projector onto the span of ``f``'s
-    rows (for a symmetric ``f``, its range)."""
-    basis = row_space_basis(f)
-    return np.sum(basis**2, axis=0) >= 1.0 - EXACT_TOL
 
 
 def projection_weights(rows: np.ndarray) -> np.ndarray:

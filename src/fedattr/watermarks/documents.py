@@ -28,7 +28,7 @@ from ..data.records import Record
 from ..models.text import encode_examples
 from .kgw import KGWScheme
 from .radioactivity import ContextReads, KGWReadingScorer, ReadPlan
-from .tail import RowSubsets
+from .tail.laws import RowSubsets
 
 Observation = dict[str, torch.Tensor]
 """Owner -> its documents' ``[contexts, vocab]`` distributions summed per previous token."""

@@ -37,7 +37,7 @@ from ..models.lora import folded_adapters
 from ..models.reading import SequenceReader
 from ..models.text import format_prompt, generate
 from .fictitious import FictitiousEntity, qa_probes
-from .tail import RowSubsets
+from .tail.laws import RowSubsets
 
 _P_FLOOR = 1e-300
 

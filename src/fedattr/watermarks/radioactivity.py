@@ -22,7 +22,7 @@ from ..models.reading import length_batches, logits_at, output_layer
 from ..models.text import Example, generate, padded
 from .kgw import KGWDetector, KGWScheme
 from .nullkeys import RandomGreenLists
-from .tail import RowSubsets
+from .tail.laws import RowSubsets
 
 
 class KGWModelScorer:

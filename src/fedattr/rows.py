@@ -1,11 +1,16 @@
-"""Change matrices kept on disk and read by row blocks (``attribution`` spill).
+"""Change matrices read by row blocks: held in memory, in a file, or in a saved run.
 
 A client's summed change ``W_i`` has ``contexts x vocab`` cells: at Llama-3's 128,256 tokens and
 8,000 probe contexts that is 1e9 cells, 8 GB in float64 and 4 GB in float32 per client. The
 calibrated statistic reads ``W_i`` only through sums over cells or rows (its owners' values, its
 null variance, the tails' cumulant generating functions, the rank check), so it never needs it
-whole: :class:`DiskRows` keeps it as a float32 file, and every reader takes a block of rows at a
-time (:class:`fedattr.watermarks.tail.Rows`).
+whole: every reader takes a block of rows at a time from a :class:`Rows`, which is
+
+- :class:`DenseRows`: a tensor or array in memory;
+- :class:`DiskRows`: a float32 file, summed into and read by row blocks (``attribution.spill``:
+  the sums kept on disk, in a :class:`TemporaryFolder`);
+- :class:`SavedRows`: one change of a finished run's ``changes.safetensors``
+  (:func:`save_changes` writes it a block of rows at a time, :func:`open_changes` reads it).
 
 Files are read and written with ``pread``/``pwrite``, not memory-mapped: the pages read stay in
 the page cache (reclaimable), not in the process's resident set.
@@ -19,13 +24,69 @@ import shutil
 import struct
 import tempfile
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from ..watermarks.tail import block_rows
+BLOCK_CELLS = 1 << 22
+"""Cells of one row block where a change is read by blocks (a stored ``W``): 32 MB as float64,
+so the tails of a 1e9-cell change hold a few such blocks (and their temporaries) at a time."""
+
+
+@runtime_checkable
+class Rows(Protocol):
+    """A ``[rows, cols]`` change read by row blocks (a stored ``W``, e.g. on disk): the tails,
+    the variance and the rank check read it a block at a time, never whole."""
+
+    rows: int
+    cols: int
+
+    def block(self, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo:hi`` as float64 (a new array the caller may keep)."""
+        ...
+
+
+class DenseRows:
+    """:class:`Rows` over a tensor or array held in memory (float64 blocks of it)."""
+
+    def __init__(self, W: torch.Tensor | np.ndarray, cols: int) -> None:
+        self.W = W.reshape(-1, cols)
+        self.rows, self.cols = int(self.W.shape[0]), cols
+
+    def block(self, lo: int, hi: int) -> np.ndarray:
+        b = self.W[lo:hi]
+        if isinstance(b, torch.Tensor):
+            return b.detach().double().cpu().numpy()
+        return np.asarray(b, dtype=np.float64)
+
+
+def block_rows(cols: int, cells: int = BLOCK_CELLS) -> int:
+    """Rows per block of at most ``cells`` cells (at least one row)."""
+    return max(1, cells // max(1, cols))
+
+
+def row_blocks(
+    src: Rows, cells: int = BLOCK_CELLS, rows: np.ndarray | None = None
+) -> Iterator[np.ndarray]:
+    """``src`` a block of rows at a time, in order (``rows``: only these, sorted)."""
+    step = block_rows(src.cols, cells)
+    for lo in range(0, src.rows, step):
+        hi = min(src.rows, lo + step)
+        b = src.block(lo, hi)
+        if rows is not None:
+            b = b[rows[(rows >= lo) & (rows < hi)] - lo]
+            if not len(b):
+                continue
+        yield b
+
+
+def blocks_of(W: np.ndarray | Rows, cells: int) -> tuple[Rows, bool]:
+    """``W`` as :class:`Rows`, and whether it is one block (then read once and kept)."""
+    src = W if isinstance(W, Rows) else DenseRows(W, W.shape[-1])
+    return src, src.rows <= block_rows(src.cols, cells)
 
 
 class TemporaryFolder:
@@ -144,7 +205,7 @@ LAZY_BYTES = 1 << 30
 
 class SavedRows:
     """One ``[rows, cols]`` tensor of a ``changes.safetensors``, read by row blocks
-    (:class:`fedattr.watermarks.tail.Rows`) without loading the file."""
+    (:class:`Rows`) without loading the file."""
 
     def __init__(self, path: str | Path, name: str) -> None:
         from safetensors import safe_open
