@@ -42,7 +42,7 @@ def _planted(centre: str, seed: int = 0, forget: float = 0.3):
             scale = {9: 0.0, 8: 0.1}.get(c, 1.0)
             changes.append({DEFAULT_STATISTIC: scale * own})
         designs = [own_update_design(c, clients) for c in clients]
-        null.add_round(t, clients, clients, designs, changes, None, scorer)
+        null.add_round(null.plan(t, clients, clients, designs), changes, None, scorer)
     return null.report({c: c == 0 for c in range(K)})
 
 

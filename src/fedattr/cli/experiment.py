@@ -161,7 +161,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cal = exp_sub.add_parser(
         "calibration", help="empirical FPR of null p-values, QQ plot, family-wise TPR (resumable)"
     )
-    cal.add_argument("--bed", default="synthetic", help="synthetic (default), tiny or smollm2")
+    cal.add_argument(
+        "--bed",
+        default="synthetic",
+        help="synthetic (default), an LLM preset (tiny, smollm2, smollm2-cpu) or a stress bed "
+        "of tiny: partial-skew, free-riders, stragglers, few-clients, many-clients",
+    )
     cal.add_argument("--seeds", default="0-199", help="seeds: 1,2,3 or 0-199 (default 0-199)")
     cal.add_argument("--r", default="0,3", help="watermarked clients per run (default 0,3)")
     cal.add_argument("--out", help="experiment folder (default runs/calibration-<bed>)")

@@ -36,12 +36,44 @@ from ..reporting.run_folder import RunFolder
 from ..watermarks.tail.methods import MIN_EFFECTIVE_CELLS
 from .main import run_or_reuse
 
+_HALF = ["fl.participation=0.5", "attribution.N=3", "secagg.min_members=3", "fl.rounds=10"]
+"""Half the clients a round (5 of 10): N = 3 is the largest design a 5-client round admits."""
+
+STRESS_BEDS: dict[str, list[str]] = {
+    # Partial participation with strong quantity skew: shards of a handful of records to about
+    # a thousand (Dirichlet 0.5 over the sizes), five clients a round, ten rounds.
+    "partial-skew": [*_HALF, "data.partition=quantity"],
+    # Two clean clients that send nothing or a tenth of their update, in rounds with and
+    # without a watermarked client (half the clients a round).
+    "free-riders": [
+        *_HALF,
+        'fl.clients=[{"count": 1, "update_scale": 0}, {"count": 1, "update_scale": 0.1}]',
+    ],
+    # Three clients (drawn among all) that complete half their local steps and drop out of a
+    # fifth of their rounds.
+    "stragglers": ['fl.clients=[{"count": 3, "among": "any", "steps": 0.5, "drop": 0.2}]'],
+    # Five clients (N = 3, the largest a round of five admits).
+    "few-clients": [
+        "fl.K=5",
+        "attribution.N=3",
+        "secagg.min_members=3",
+        "data.records=1000",
+    ],
+    # Fifty clients and five owners, 100 records a client.
+    "many-clients": ["fl.K=50", "watermark.owners=5", "data.records=5000"],
+}
+"""The stress beds of the embedded default (the tiny preset): federations whose clients differ,
+where a statistic that leans on who else is in the round fails once the reference has learned
+a key. Each is the tiny preset plus these settings."""
+
 BEDS: dict[str, list[str]] = {
     "synthetic": ["synthetic.common=1.0", "synthetic.heterogeneity=0.5"],
     **{name: list(sets) for name, sets in PRESET_OVERRIDES.items()},
+    **{name: [*PRESET_OVERRIDES["tiny"], *sets] for name, sets in STRESS_BEDS.items()},
 }
 """Test beds: the synthetic federation made to fail like a real model (a shared direction
-with a random projection on the key every round, persistent client drift), or an LLM preset."""
+with a random projection on the key every round, persistent client drift), an LLM preset, or
+a stress bed of the tiny preset (:data:`STRESS_BEDS`)."""
 
 LEVELS = (0.05, 0.01, 0.001)
 PAPER = [{"name": "paper", "statistic": "paper"}]
