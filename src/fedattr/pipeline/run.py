@@ -333,6 +333,7 @@ def run_experiment(
             tokenizer.pad_token_id,
             seed=cfg.fl.seed,
             profiles=profiles,
+            batched=cfg.fl.batched,
         )
     kind, wm = WATERMARKS[cfg.watermark.kind], cfg.watermark
 
