@@ -15,7 +15,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -126,18 +127,54 @@ def ensure_tiny(
     cache_dir: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
-    """Path of the cached tiny model for ``cfg``, building it first if needed."""
+    """Path of the cached tiny model for ``cfg``, building it first if needed.
+
+    Processes that start together build it once: the first takes a lock file beside the
+    cache folder and builds; the others wait for the lock, then find the model and load it.
+    Where no lock can be taken (no ``fcntl``, a file system that refuses locks), each builds
+    its own copy and the first to finish is kept."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     final = root / f"tiny-{cache_key(cfg)}"
     if (final / "fedattr_tiny.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="tiny-build-", dir=root))
-    try:
-        build_tiny(cfg, tmp, progress)
-        if not (final / "fedattr_tiny.json").is_file():  # another process may have won the race
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with _build_lock(root / f"{final.name}.lock", progress):
+        if (final / "fedattr_tiny.json").is_file():  # built while this process waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix="tiny-build-", dir=root))
+        try:
+            build_tiny(cfg, tmp, progress)
+            if not (final / "fedattr_tiny.json").is_file():  # no lock: another may have won
+                shutil.rmtree(final, ignore_errors=True)
+                tmp.rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+@contextmanager
+def _build_lock(path: Path, progress: Callable[[str], None] | None) -> Iterator[None]:
+    """An exclusive lock on ``path`` (``fcntl.flock``) for the ``with`` block; it is the
+    operating system's, so a process that dies drops it. Nothing where locks are missing."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Unix
+        yield
+        return
+    try:
+        handle = open(path, "a+")  # noqa: SIM115 - held for the block, closed below
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say = progress or (lambda m: print(m, file=sys.stderr))
+            say("tiny preset: another process is building the model; waiting for it")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks
+            pass
+        yield
+    finally:
+        handle.close()  # releases the lock
