@@ -15,8 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ import torch
 from ..data.corpus import generate_corpus
 from ..data.records import plain_prompt
 from .config import TinyModelConfig
+from .filelock import file_lock
 from .text import encode_examples
 from .training import TrainSettings, train
 
@@ -138,7 +138,9 @@ def ensure_tiny(
     if (final / "fedattr_tiny.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _build_lock(root / f"{final.name}.lock", progress):
+    say = progress or (lambda m: print(m, file=sys.stderr))
+    waiting = lambda: say("tiny preset: another process is building the model; waiting")  # noqa: E731
+    with file_lock(root / f"{final.name}.lock", waiting):
         if (final / "fedattr_tiny.json").is_file():  # built while this process waited
             return final
         tmp = Path(tempfile.mkdtemp(prefix="tiny-build-", dir=root))
@@ -150,31 +152,3 @@ def ensure_tiny(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-@contextmanager
-def _build_lock(path: Path, progress: Callable[[str], None] | None) -> Iterator[None]:
-    """An exclusive lock on ``path`` (``fcntl.flock``) for the ``with`` block; it is the
-    operating system's, so a process that dies drops it. Nothing where locks are missing."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not on Unix
-        yield
-        return
-    try:
-        handle = open(path, "a+")  # noqa: SIM115 - held for the block, closed below
-    except OSError:
-        yield
-        return
-    try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say = progress or (lambda m: print(m, file=sys.stderr))
-            say("tiny preset: another process is building the model; waiting for it")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:  # a file system without locks
-            pass
-        yield
-    finally:
-        handle.close()  # releases the lock
