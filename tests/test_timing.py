@@ -159,3 +159,38 @@ def test_pipeline_figures_of_a_cuda_run_show_the_device():
     text = format_pipeline(fig)
     assert "| device peak GB | device busy |" in text
     assert "| 12.50 | 80% |" in text and "| 4.00 | – |" in text
+
+
+def test_without_pynvml_the_device_is_read_from_one_streaming_nvidia_smi(tmp_path, monkeypatch):
+    import time
+    import types
+
+    import torch
+
+    from fedattr.fl.timing import DeviceProbe
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        '#!/usr/bin/env bash\necho "$@" > "$(dirname "$0")/args"\n'
+        'while true; do echo 40; echo "[N/A]"; echo 60; sleep 0.02; done\n'
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+
+    def no_pynvml(index):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "utilization", no_pynvml)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="abc-1")
+    )
+    probe = DeviceProbe(types.SimpleNamespace(type="cuda", index=0))
+    since = time.perf_counter()
+    deadline = since + 30
+    while len(probe.samples) < 4 and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert probe.readable and probe.busy(since) == pytest.approx(0.5)
+    probe.close()
+    assert probe._smi.poll() is not None  # the stream is stopped
+    args = (tmp_path / "args").read_text().split()
+    assert "GPU-abc-1" in args and "-lms=250" in args

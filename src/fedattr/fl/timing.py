@@ -16,9 +16,10 @@ from ..runtime import PeakMemory, release_memory
 class DeviceProbe:
     """One CUDA device's peak allocated memory and how busy it is, read per stage.
 
-    Busy: the share of time the device ran a kernel, as NVML reports it (``torch.cuda.
-    utilization``, which needs ``pynvml``; else ``nvidia-smi``), sampled every quarter second by
-    a daemon thread; ``None`` where neither can be read."""
+    Busy: the share of time the device ran a kernel, as NVML reports it, sampled four times a
+    second: through ``torch.cuda.utilization`` (which needs ``pynvml``) by a daemon thread,
+    else from one ``nvidia-smi`` process streaming its readings (``-lms``: no process started
+    per sample); ``None`` where neither can be read."""
 
     INTERVAL = 0.25
 
@@ -28,48 +29,59 @@ class DeviceProbe:
         self.torch = torch
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.samples: list[tuple[float, float]] = []
-        self._read = self._reader()
+        self.readable = False
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if self._read is not None:
-            self._thread = threading.Thread(target=self._sample, daemon=True, name="fedattr-gpu")
-            self._thread.start()
-
-    def _reader(self) -> Callable[[], float] | None:
+        self._smi: subprocess.Popen | None = None
         try:
-            self.torch.cuda.utilization(self.index)
-            return lambda: float(self.torch.cuda.utilization(self.index))
-        except Exception:  # no pynvml: ask nvidia-smi, if there is one
-            pass
-        smi = shutil.which("nvidia-smi")
-        if smi is None:
-            return None
-        command = [smi, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
-        command += ["-i", str(self.index)]
+            torch.cuda.utilization(self.index)
+            target: Callable[[], None] | None = self._poll
+        except Exception:  # no pynvml: nvidia-smi, if there is one
+            target = self._stream if self._start_smi() else None
+        if target is not None:
+            self.readable = True
+            threading.Thread(target=target, daemon=True, name="fedattr-gpu").start()
 
-        def read() -> float:
-            out = subprocess.run(command, capture_output=True, text=True, timeout=5)
-            return float(out.stdout.strip().splitlines()[0])
-
-        try:
-            read()
-        except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-            return None
-        return read
-
-    def _sample(self) -> None:
+    def _poll(self) -> None:
         while not self._stop.wait(self.INTERVAL):
             try:
-                self.samples.append((time.perf_counter(), self._read()))  # type: ignore[misc]
+                value = float(self.torch.cuda.utilization(self.index))
             except Exception:  # a failed read: a gap in the samples
+                continue
+            self.samples.append((time.perf_counter(), value))
+
+    def _start_smi(self) -> bool:
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            return False
+        try:  # by UUID: CUDA_VISIBLE_DEVICES renumbers torch's devices, not nvidia-smi's
+            which = str(self.torch.cuda.get_device_properties(self.index).uuid)
+            which = which if which.startswith("GPU-") else f"GPU-{which}"
+        except Exception:
+            which = str(self.index)
+        command = [smi, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
+        command += ["-i", which, f"-lms={int(1000 * self.INTERVAL)}"]
+        try:
+            self._smi = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+        except OSError:
+            return False
+        return True
+
+    def _stream(self) -> None:
+        assert self._smi is not None and self._smi.stdout is not None
+        for line in self._smi.stdout:
+            try:
+                self.samples.append((time.perf_counter(), float(line.strip())))
+            except ValueError:  # "[N/A]" or a message: a gap
                 continue
 
     def busy(self, since: float) -> float | None:
         """Mean utilisation (0..1) of the samples taken since ``since`` (``None``: none)."""
-        if self._read is None:
+        if not self.readable:
             return None
-        values = [u for t, u in self.samples if t >= since]
-        self.samples = [(t, u) for t, u in self.samples if t >= since]
+        samples, self.samples = self.samples, []
+        values = [u for t, u in samples if t >= since]
         return sum(values) / len(values) / 100 if values else None
 
     def peak_gb(self) -> float:
@@ -83,6 +95,9 @@ class DeviceProbe:
     def close(self) -> None:
         """Stop sampling."""
         self._stop.set()
+        if self._smi is not None:
+            self._smi.terminate()
+            self._smi.wait()
 
 
 class Stopwatch:
