@@ -252,6 +252,24 @@ def test_a_strategy_that_cannot_be_stacked_trains_one_client_after_another(micro
     ).batched
 
 
+def test_clients_are_trained_together_only_where_it_pays(micro_lm, monkeypatch):
+    import fedattr.models.batched as batched
+
+    model, tok, examples = _adapted(micro_lm)
+    assert batched.worth_training_together(model, 2, examples)
+    assert not batched.worth_training_together(model, 2, examples[:1])  # one client
+    # A pass that holds one client's micro-batch only (SmolLM2 on a CPU): one after another.
+    longest = max(len(e.input_ids) for shard in examples for e in shard)
+    monkeypatch.setattr(batched, "_pass_tokens", lambda m: 2 * longest)
+    assert not batched.worth_training_together(model, 2, examples)
+    pool = InProcessPool(model, examples, FedITClient(), SETTINGS, tok.pad_token_id, batched=True)
+    assert not pool.batched
+    monkeypatch.setattr(batched, "_pass_tokens", lambda m: 4 * longest)
+    assert batched.worth_training_together(model, 2, examples)
+    monkeypatch.setattr(batched, "clients_at_once", lambda m: 1)  # one optimizer state fits
+    assert not batched.worth_training_together(model, 2, examples)
+
+
 def test_jobs_need_every_factor(micro_lm):
     model, tok, examples = _adapted(micro_lm)
     start = adapter_state(model)

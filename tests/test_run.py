@@ -61,6 +61,7 @@ def test_run_cli_writes_folder_and_rejects_bad_input(tiny_cache, tmp_path, capsy
     assert all(profile[s]["seconds"] == res["timing"][f"{s}_s"] for s in stages)
     assert profile["train"]["peak_rss_gb"] == res["memory_gb"]["train"]
     assert not any("device_busy" in row for row in profile.values())
+    assert res["training"] == {"batched": True}  # the embedded default's clients, together
     assert "| verdict_s |" in (out / "report.md").read_text()
     capsys.readouterr()
     assert main(["run", "--set", "fl.strategy=fedavg"]) == 2

@@ -6,7 +6,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import UserError
-from ..models.batched import ClientJob, ClientResult, clients_at_once, train_clients
+from ..models.batched import (
+    ClientJob,
+    ClientResult,
+    clients_at_once,
+    train_clients,
+    worth_training_together,
+)
 from ..models.lora import adapter_state, can_stack, load_state, trainable_lora_parameters
 from ..models.text import Example
 from ..models.training import TrainSettings, train
@@ -31,9 +37,11 @@ class InProcessPool(ClientPool):
 
     ``batched`` (``fl.batched``): a round's clients are trained together
     (:func:`~fedattr.models.batched.train_clients`, as many at once as memory allows), where
-    the strategy and the model allow it; otherwise one after another
-    (:func:`~fedattr.models.training.train`). Either way each client's update is what
-    ``strategy.update`` reads from the model holding that client's trained factors.
+    the strategy and the model allow it and it pays
+    (:func:`~fedattr.models.batched.worth_training_together`); otherwise one after another
+    (:func:`~fedattr.models.training.train`). :attr:`batched` says which. Either way each
+    client's update is what ``strategy.update`` reads from the model holding that client's
+    trained factors.
 
     ``profiles`` (``fl.clients``): clients that train or submit differently (their learning
     rate, epochs, share of their steps, a scale on what they send, rounds they drop out of);
@@ -57,7 +65,12 @@ class InProcessPool(ClientPool):
         self.model, self.examples, self.strategy = model, list(examples), strategy
         self.settings, self.pad_id, self.seed = settings, pad_id, seed
         self.profiles = profiles_of(profiles)
-        self.batched = batched and strategy.trains_together and can_stack(model)
+        self.batched = (
+            batched
+            and strategy.trains_together
+            and can_stack(model)
+            and worth_training_together(model, settings.micro_batch_size, self.examples)
+        )
         self._params = trainable_lora_parameters(model)
         self._sizes = sizes
         self._tap: PlaintextTap | None = None

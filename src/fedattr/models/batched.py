@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -278,21 +278,41 @@ def _bytes_per_token(model) -> int:
     return 4 * (layers * (14 * hidden + 4 * inner + 8 * rank) + 3 * vocab)
 
 
-def default_max_tokens(model, jobs: Sequence[ClientJob]) -> int:
-    """Padded tokens a pass may hold: within 512 MB of activations (estimated) and 2,048
-    tokens on a CPU, a quarter of the free memory on CUDA; never fewer than the largest
-    micro-batch ``train`` would hold (``micro_batch_size`` of the job's longest examples)."""
+def _pass_tokens(model) -> int:
+    """Padded tokens a pass may hold by memory and speed: within 512 MB of activations
+    (estimated) and 2,048 tokens on a CPU, a quarter of the free memory on CUDA."""
     device = next(model.parameters()).device
-    floor = max(
-        j.settings.micro_batch_size * max(len(e.input_ids) for e in j.examples) for j in jobs
-    )
     free = _free_device_bytes(device)
     per_token = _bytes_per_token(model)
     if free is None:
-        cap = min(_CPU_PASS_TOKENS, _CPU_PASS_BYTES // per_token)
-    else:
-        cap = free // 4 // per_token
-    return max(floor, cap)
+        return min(_CPU_PASS_TOKENS, _CPU_PASS_BYTES // per_token)
+    return free // 4 // per_token
+
+
+def _micro_tokens(micro_batch_size: int, examples: Iterable[Sequence[Example]]) -> int:
+    """The largest micro-batch ``train`` holds: ``micro_batch_size`` of the longest example."""
+    return micro_batch_size * max(len(e.input_ids) for shard in examples for e in shard)
+
+
+def default_max_tokens(model, jobs: Sequence[ClientJob]) -> int:
+    """Padded tokens a pass may hold (:func:`_pass_tokens`), never fewer than the largest
+    micro-batch ``train`` would hold for these jobs."""
+    floor = max(_micro_tokens(j.settings.micro_batch_size, [j.examples]) for j in jobs)
+    return max(floor, _pass_tokens(model))
+
+
+def worth_training_together(
+    model, micro_batch_size: int, examples: Sequence[Sequence[Example]]
+) -> bool:
+    """Whether :func:`train_clients` can do better than one ``train`` per client here: its
+    passes can hold two clients' largest micro-batches and it can take two clients at once.
+    Where they cannot (SmolLM2 on a CPU: passes of 256 tokens, two clients' optimizer states
+    in 256 MB), its passes would be ``train``'s micro-batches, one client at a time, and it
+    only adds its bookkeeping (measured there: 173 s against 165 s for a round's training,
+    2.79 GB against 2.68 GB at the peak)."""
+    if len(examples) < 2 or clients_at_once(model) < 2:
+        return False
+    return _pass_tokens(model) >= 2 * _micro_tokens(micro_batch_size, examples)
 
 
 def train_clients(

@@ -441,6 +441,9 @@ def run_experiment(
             "profiles": profiles.summary(),
         },
         "strategy": cfg.fl.strategy,
+        # Whether a round's clients were trained together (fl.batched, where it pays) or one
+        # after another (fl.batched=false, a remote runtime's clients).
+        "training": {"batched": bool(getattr(pool, "batched", False))},
         "watermark": cfg.watermark.kind,
         "detector": cfg.watermark.detector,
         "model": {
