@@ -17,32 +17,42 @@ clipping at 1, ``stop_after``), for every client at once:
 - **Each client its own data and steps.** A step takes each client's next batch (drawn by the
   client's own seed, as ``train`` draws it); a client that has taken all its steps leaves the
   batch, so uneven shards, epochs and ``stop_after`` need nothing else.
-- **Passes cut by length, not by client.** A step's rows (each client's batch sorted by
-  length, longest first) are cut into passes of at most ``max_tokens`` padded tokens, each
-  pass taking the same number of rows from every client in it (a client short of rows is
-  padded with rows that carry no loss, hence no gradient). Rows of similar length share a
-  pass, so far less padding is computed than in ``train``'s micro-batches.
+- **Passes of rows of about the same length.** Each client's batch is sorted by length
+  (longest first); a pass takes the same run of places in that order from every client (rows
+  of about the same length), as long a run as keeps it within ``max_tokens`` padded tokens.
+  The base layers run on the pass's rows; the factors on a ``[clients x rows]`` grid, where a
+  client short of rows has zero rows (no output, no gradient). The embedded default computes
+  1.27 padded tokens a real one this way, ``train``'s micro-batches 1.59.
+- **Only where it pays** (:func:`worth_training_together`): a pass must hold two clients'
+  largest micro-batches, and two clients' optimizer states must fit
+  (:func:`clients_at_once`); a pool otherwise trains one client after another.
 
-Equivalence. The loss of a client's step is the same token-weighted sum, its gradient the
-same sum over its rows; only the order of float additions differs (other matmul shapes,
-passes instead of micro-batches). ``tests/test_batched.py`` checks per-client losses and
-updates against one ``train`` per client, in float64, where reassociation leaves 1e-10, and
-in float32 (FedIT and FLoRA, uneven clients, ``stop_after``, learning-rate scales), with LoRA
-dropout off.
+Equivalence, and how it is checked. A client's step has the same token-weighted loss and the
+same gradient, a sum over its rows; only the order of float additions differs (other matmul
+shapes, passes instead of micro-batches), and AdamW, clipping and the schedule are the same
+arithmetic. ``tests/test_batched.py`` trains one round of an in-process pool both ways from
+the same state (FedIT and FLoRA; shards of 3 to 17 records, hence 1 to 5 steps an epoch and
+short last batches; other epochs, learning-rate scales, ``stop_after`` and ``update_scale``)
+and compares each client's mean loss and the update it submits: in float64 to 1e-9 (relative
+norm of the difference, each client's whole update), where only reassociation separates the
+two; in float32 to 2e-3 (updates) and 1e-5 (losses), as Adam's normalised steps carry the
+rounding from step to step. LoRA dropout is off there.
 
 LoRA dropout is not drawn as ``train`` draws it. ``train`` seeds torch's global generator per
-client and its masks cover every position of each micro-batch, padding included, at about
-25 ns an element on a CPU (torch's Mersenne Twister): reproducing them would mean drawing
-those padded micro-batches element for element, which on the embedded default costs more
-than the whole batched step. Here each client draws its masks from its own stream (seeded by
-its training seed): on the CPU NumPy's PCG64 (a 32-bit uniform an element, so the rate is
-``p`` to 2^-32), on CUDA a torch generator of the device. A client's masks for a step and a
-module are drawn once, over its real tokens in its batch's length order, so they do not
-depend on which clients share a pass or how a step is cut (on CUDA, nor on the device's
-memory as long as a client's batch fits one pass). The same rate, independent across
-elements, modules, steps and clients, deterministic for a seed: the batched path is the
-sequential one with other masks, checked statistically (the rate, and training outcomes
-within the spread that redrawn masks give the sequential path).
+client and draws masks over every position of each micro-batch, padding included: on the
+embedded default about 13 million elements a step of ten clients, at about 25 ns an element on
+a CPU (torch's Mersenne Twister) 0.3 s, more than half of what the whole batched step costs on
+one core.
+Drawing them as ``train`` does would keep that cost and tie a pass to the micro-batches'
+widths. Here each client draws its own masks from its own stream, seeded by its training seed
+(on the CPU NumPy's PCG64, a 32-bit uniform an element, so the rate is ``p`` to 2^-32, at
+about 1 ns; on CUDA a torch generator of the device), once per step and module over its real
+tokens in its batch's length order: they do not depend on which clients share a pass or how a
+step is cut. The same rate, independent across elements, modules, steps and clients,
+deterministic for a seed (a resumed round draws them again): the batched path is the
+sequential one with other masks. ``tests/test_batched.py`` checks that statistically: the
+rate and independence of the masks, and, with dropout on, each client's update within three
+times the distance between the sequential path and itself with its masks redrawn.
 """
 
 from __future__ import annotations
@@ -234,8 +244,9 @@ training peak at r = 64; about two clients there, every client of the embedded d
 _CPU_PASS_BYTES = 512 * 2**20
 """Activations a pass may hold on a CPU (estimated, :func:`_bytes_per_token`)."""
 _CPU_PASS_TOKENS = 2048
-"""Padded tokens a pass holds at most on a CPU: larger passes of the embedded default's model
-ran slower (their activations leave the caches), smaller ones pay more per-operation cost."""
+"""Padded tokens a pass holds at most on a CPU: on the embedded default's model passes of
+2,048 trained faster than of 1,536 or 3,072 (1.35x against 1.27x one client after another,
+one thread): smaller ones pay more per operation, larger ones more padding."""
 
 
 def _factor_numel(model) -> int:
