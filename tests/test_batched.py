@@ -252,6 +252,30 @@ def test_a_strategy_that_cannot_be_stacked_trains_one_client_after_another(micro
     ).batched
 
 
+def test_a_client_that_drops_out_trains_but_sends_nothing_either_way(micro_lm):
+    model, tok, examples = _adapted(micro_lm)
+    start = adapter_state(model)
+    dropping = Profiles({0: ClientProfile(drop=0.999)}, seed=5)
+    assert dropping.drops(1, [0, 1, 2, 3]) == [0]
+    seen = []
+    for batched in (False, True):
+        load_state(model, start)
+        pool = InProcessPool(
+            model, examples, FedITClient(), SETTINGS, tok.pad_token_id, seed=5,
+            profiles=dropping, batched=batched,
+        )  # fmt: skip
+        sa = make_aggregator(SecAggConfig(backend="plaintext", min_members=2))
+        sa.open_round(1, [0, 1, 2, 3])
+        tap = pool.open_tap()
+        losses = pool.train_round(
+            1, [0, 1, 2, 3], adapter_state(model), sa, pool.scales([0, 1, 2, 3]),
+            Progress(lambda _m: None),
+        )  # fmt: skip
+        assert set(losses) == {0, 1, 2, 3} and set(tap.updates) == {1, 2, 3}
+        seen.append(losses)
+    assert seen[1] == pytest.approx(seen[0], rel=1e-5)
+
+
 def test_clients_are_trained_together_only_where_it_pays(micro_lm, monkeypatch):
     import fedattr.models.batched as batched
 
