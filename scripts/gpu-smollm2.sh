@@ -9,7 +9,7 @@
 # and OUT/summary.md (one row per run: clients named by FedAttr and by the ceiling, and by any
 # variant added with --set variants=...). Each run is cut at FEDATTR_RUN_LIMIT seconds (default
 # 520) so that the command returns in time; a cut run keeps its checkpoint and resumes with the
-# same command.
+# same command (fedattr run --continue), and a finished one is kept.
 #
 # Sized from an H100 (2026-11-27): with 128 probes, the paper statistic as a variant and
 # pairwise masking, a round took about 2 minutes beside 18 s of training (28 s of it writing
@@ -55,8 +55,9 @@ fi
 mkdir -p "$out"
 pids=()
 for r in 3 0; do
-    timeout "$limit" "$python" -m fedattr run --preset "$preset" --out "$out/r$r" \
-        "${sets[@]}" "$@" --set "watermark.r=$r" >"$out/r$r.log" 2>&1 &
+    # --continue: a cut run of this configuration is continued, a finished one kept.
+    timeout "$limit" "$python" -m fedattr run --preset "$preset" --out "$out/r$r" --continue \
+        "${sets[@]}" "$@" --set "watermark.r=$r" >>"$out/r$r.log" 2>&1 &
     pids+=($!)
 done
 status=0

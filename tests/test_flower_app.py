@@ -200,7 +200,8 @@ def test_tiny_llm_federation_on_supernodes_equals_the_in_process_run(tiny_cache,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the nodes train with one thread each; so does the reference
     try:
-        cfg = load(RunConfig, None, _small(tiny_cache, "fl.rounds=1"))
+        # Flower's clients train one after another: so does the in-process reference.
+        cfg = load(RunConfig, None, _small(tiny_cache, "fl.rounds=1", "fl.batched=false"))
         grid = LocalGrid(range(cfg.fl.K))
         folder = _claimed(tmp_path, cfg)
         import os

@@ -1,3 +1,6 @@
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -33,6 +36,41 @@ def test_tiny_preset_is_cached_and_loads_by_path(tiny_cache):
     assert model.config.model_type == "llama" and tok.pad_token_id is not None
     ids = tok("What is 2 plus 3?")["input_ids"]
     assert tok.decode(ids) == "What is 2 plus 3?"
+
+
+def test_processes_started_together_build_the_tiny_model_once(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from conftest import MICRO_TINY; "
+        "from fedattr.models.config import TinyModelConfig; "
+        "from fedattr.models.tiny import ensure_tiny; "
+        "print(ensure_tiny(TinyModelConfig(**MICRO_TINY), sys.argv[1], "
+        "progress=lambda m: print(m, file=sys.stderr)))"
+    )
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path]), "FEDATTR_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    paths = {out.strip() for out, _ in outs}
+    assert len(paths) == 1
+    builds = sum("training a" in err for _, err in outs)
+    assert builds == 1, [err for _, err in outs]
+    assert sum("waiting" in err for _, err in outs) <= 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [Path(next(iter(paths))).name, f"{Path(next(iter(paths))).name}.lock"]
+    )
 
 
 def test_bad_model_path_is_one_clear_error(tmp_path):

@@ -74,3 +74,22 @@ def test_resume_refuses_what_it_cannot_do(tiny_cache, tmp_path, capsys):
     assert "holds no fedattr run to resume" in capsys.readouterr().err
     assert main(["run", "--resume", str(tmp_path), "--set", "fl.K=5"]) == 2
     assert "drop --config/--set/--out" in capsys.readouterr().err
+
+
+def test_continue_keeps_or_continues_only_a_run_of_the_same_configuration(
+    tiny_cache, tmp_path, capsys
+):
+    assert main(["run", "--continue"]) == 2
+    assert "--continue: give --out" in capsys.readouterr().err
+    out = tmp_path / "run"
+    sets = _args(_small(tiny_cache, "fl.rounds=1"))
+    assert main(["run", "--out", str(out), "--continue", *sets]) == 0  # a new folder: a new run
+    stamp = (out / "results.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(["run", "--out", str(out), "--continue", *sets]) == 0
+    assert "a finished run of this configuration, kept" in capsys.readouterr().out
+    assert (out / "results.json").stat().st_mtime_ns == stamp
+    assert main(["run", "--out", str(out), "--continue", *sets, "--set", "fl.seed=9"]) == 2
+    assert "holds a run with another configuration" in capsys.readouterr().err
+    assert main(["run", "--out", str(out), *sets]) == 2  # without --continue: refused
+    assert "holds a finished run" in capsys.readouterr().err

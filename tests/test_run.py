@@ -55,6 +55,13 @@ def test_run_cli_writes_folder_and_rejects_bad_input(tiny_cache, tmp_path, capsy
     stages = {"load", "teacher", "train", "sa", "scoring", "verdict"}
     assert stages <= {k.removesuffix("_s") for k in res["timing"]}
     assert stages <= set(res["memory_gb"]) and all(v > 0 for v in res["memory_gb"].values())
+    # ... and the stage profile beside them (on the CPU: no device columns).
+    profile = res["timing"]["stages"]
+    assert stages <= set(profile)
+    assert all(profile[s]["seconds"] == res["timing"][f"{s}_s"] for s in stages)
+    assert profile["train"]["peak_rss_gb"] == res["memory_gb"]["train"]
+    assert not any("device_busy" in row for row in profile.values())
+    assert res["training"] == {"batched": True}  # the embedded default's clients, together
     assert "| verdict_s |" in (out / "report.md").read_text()
     capsys.readouterr()
     assert main(["run", "--set", "fl.strategy=fedavg"]) == 2

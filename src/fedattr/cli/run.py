@@ -49,15 +49,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from ..config import to_dict
+    from ..errors import UserError
     from ..pipeline.run import check_inputs, run_experiment
     from ..reporting.markdown import attribution_table
     from ..reporting.run_folder import RunFolder
 
+    if args.continue_run and (args.resume or not args.out):
+        raise UserError("--continue: give --out (the run folder to continue or keep), not --resume")
     cfg, folder = resolve_run_config(args, args.preset, ("--config", "--set", "--out"))
-    check_inputs(cfg)  # data, key files, model path: before the folder is written
     if folder is None:  # a new run, not a resumed one
         folder = RunFolder(args.out or default_run_dir(cfg))
-        folder.claim(to_dict(cfg))
+        if args.continue_run and folder.status == "finished":
+            # Checked as a new run would be: the same configuration, else one line.
+            folder.claim(cfg, reuse=True)
+            print(f"{folder}: a finished run of this configuration, kept ({folder}/report.md)")
+            return 0
+        check_inputs(cfg)  # data, key files, model path: before the folder is written
+        if folder.claim(cfg if args.continue_run else to_dict(cfg), reuse=args.continue_run) == (
+            "resume"
+        ):
+            print(f"{folder}: continuing its unfinished run", file=sys.stderr)
+    else:
+        check_inputs(cfg)
     try:
         # A start that fails before its first round leaves no folder to block the re-run.
         with folder.released_on_failure():
@@ -132,5 +145,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--out", help="run folder (default: runs/<time>-<strategy>-<model>)")
     run.add_argument(
         "--resume", metavar="RUN_DIR", help="continue an interrupted run after its last round"
+    )
+    run.add_argument(
+        "--continue",
+        dest="continue_run",
+        action="store_true",
+        help="with --out: where the folder holds a run of this configuration, continue it if "
+        "it was cut, keep it if it finished (so the same command can be given again)",
     )
     run.set_defaults(func=_cmd_run, threads=True)

@@ -243,6 +243,12 @@ def pipeline_figures(results: dict) -> dict:
     for name, gb in results.get("memory_gb", {}).items():
         stage = stages.setdefault(_STAGE_OF.get(name, name), {"seconds": t.get(f"{name}_s", 0.0)})
         stage["peak_gb"] = gb
+    # A CUDA run's device profile (timing.stages): each stage's device memory and busy share.
+    for name, row in (t.get("stages") or {}).items():
+        if "device_peak_gb" in row:
+            stage = stages.setdefault(_STAGE_OF.get(name, name), {"seconds": row["seconds"]})
+            stage["device_peak_gb"] = row["device_peak_gb"]
+            stage["device_busy"] = row.get("device_busy")
     return {
         "device": model.get("device"),
         "gpu": model.get("gpu"),
@@ -293,12 +299,18 @@ def format_pipeline(fig: dict) -> str:
         ["verdict (exact tails, rank check)", f(st["verdict"]["seconds"]), "", ""],
     ]
     keys = ["load", "teacher", "training", "sa", "scoring", "verdict"]
+    device = any("device_peak_gb" in stage for stage in st.values())
     for row, key in zip(rows, keys, strict=True):
         row.append(f(st[key].get("peak_gb"), ".2f"))
     # Stages only some runs have (baselines): seconds and peak only.
     for key, stage in st.items():
         if key not in keys:
             rows.append([key, f(stage.get("seconds")), "", "", f(stage.get("peak_gb"), ".2f")])
+            keys.append(key)
+    if device:  # a CUDA run: the device's peak memory and how busy it was, per stage
+        for row, key in zip(rows, keys, strict=True):
+            busy = st[key].get("device_busy")
+            row += [f(st[key].get("device_peak_gb"), ".2f"), "–" if busy is None else f"{busy:.0%}"]
     where = fig["gpu"] or "CPU"
     dtype = f", {fig['dtype']}" if fig.get("dtype") else ""
     foot = (
@@ -307,6 +319,7 @@ def format_pipeline(fig: dict) -> str:
         f"{100 * fig['overhead']:.1f}%"
     )
     head = ["stage", "seconds", "work", "throughput", "peak RSS GB"]
+    head += ["device peak GB", "device busy"] if device else []
     return table(head, rows) + "\n" + foot
 
 

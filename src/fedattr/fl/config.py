@@ -24,6 +24,14 @@ class FLConfig:
     """Local training. The tiny default trains 2 epochs at peak LR 1e-3 (a from-scratch 2-layer
     model learns little in the paper's 1 epoch at 2e-4); the smollm2 preset uses 1 at 2e-4."""
     seed: int = 0
+    batched: bool = True
+    """Train a round's clients together, in-process: one batched pass over the shared frozen
+    base for every client, each with its own LoRA factors, data, optimizer, schedule and steps
+    (:mod:`fedattr.models.batched`); ``false``: one client after another, as the Flower
+    runtime's clients always train. The same training up to float rounding with
+    ``lora.dropout=0``; with dropout, each client's masks are drawn from its own stream (the same
+    rate, other draws). Strategies that cannot be trained together (a plugin's) train one after
+    another either way."""
     clients: list[ClientGroup] = field(default_factory=list)
     """Clients that train or submit differently from the rest (free-riders, stragglers, other
     learning rates or epochs, clients that drop out of rounds): a list of groups, e.g.

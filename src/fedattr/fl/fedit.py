@@ -29,6 +29,7 @@ class FedITClient(ClientStrategy):
     """Start from the global factors; submit the change of the factors."""
 
     name = "fedit"
+    trains_together = True
 
     @classmethod
     def from_config(cls, fl, lora) -> FedITClient:

@@ -43,6 +43,7 @@ class FLoRAClient(ClientStrategy):
     """Start from the merged base weights with fresh adapters; submit the merged product."""
 
     name = "flora"
+    trains_together = True
 
     def __init__(self, scaling: float, seed: int = 0) -> None:
         self.scaling = scaling

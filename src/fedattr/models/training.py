@@ -123,9 +123,10 @@ def train(
                     micro["attention_mask"].to(device, non_blocking=True),
                     rows.to(device, non_blocking=True),
                 )
-                # Token-weighted loss over the whole batch, however it is split in micro-batches.
+                # Token-weighted loss over the whole batch, however it is split in micro-batches
+                # (in float32 at least: a bfloat16 model's logits are upcast).
                 loss = torch.nn.functional.cross_entropy(
-                    logits.float(), targets.to(device, non_blocking=True), reduction="sum"
+                    loss_precision(logits), targets.to(device, non_blocking=True), reduction="sum"
                 ) / max(1, n_tokens)
                 loss.backward()
                 batch_loss += loss.detach()  # read once per step: one device sync, not one each
@@ -137,6 +138,12 @@ def train(
             if on_step is not None:
                 on_step(step, total, losses[-1])
     return {"loss": float(np.mean(losses)), "steps": float(step), "tokens": float(tokens)}
+
+
+def loss_precision(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in float32, or float64 where they are (a float64 model, as the batched
+    training's equivalence test runs, keeps its precision to the loss)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def optimizer_options(device: torch.device, params: Sequence[torch.Tensor]) -> dict:

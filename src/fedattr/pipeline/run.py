@@ -41,7 +41,7 @@ from ..fl.registry import make_strategy
 from ..fl.server import Checkpointer, Observer, RoundEngine, Stopwatch
 from ..fl.synthetic import SyntheticPool
 from ..fl.timing import overhead
-from ..models.loading import load_model
+from ..models.loading import load_model, resolve_device
 from ..models.lora import attach_lora, candidate_stacker, load_state
 from ..models.text import encode_examples
 from ..reporting.markdown import run_report
@@ -62,7 +62,7 @@ class RunResult:
     report: AttributionReport
     rounds: list[dict]
     sa_queries: int
-    timing: dict[str, float]
+    timing: dict[str, Any]
     queries: list[dict] = field(default_factory=list)
     null: str = "theoretical"
     """The null the differential scores were read under (``attribution.null`` resolved)."""
@@ -222,9 +222,12 @@ def _finish(
         report = primary.fedattr.report(truth)
     if announce is not None:
         announce(f"final verdicts: {time.perf_counter() - start:.1f} s")
-    timing = dict(engine.timing.seconds)
+    timing: dict[str, Any] = dict(engine.timing.seconds)
     timing["total_s"] = engine.timing.elapsed()
     timing["overhead"] = overhead(timing)
+    # Each stage's seconds and peak memory together; on a GPU its memory and how busy it was.
+    timing["stages"] = engine.timing.profile()
+    engine.timing.close()
     details = {
         **details,
         "work": dict(engine.timing.counts),
@@ -311,7 +314,10 @@ def run_experiment(
     note = take_note()
     if note:
         say(note)
-    timing = Stopwatch(("load_s", "teacher_s", "train_s", "sa_s", "scoring_s"))
+    timing = Stopwatch(
+        ("load_s", "teacher_s", "train_s", "sa_s", "scoring_s"),
+        device=resolve_device(cfg.model.device),
+    )
     saved = folder.load_checkpoint() if folder is not None else None
     with timing.measure("load_s"):
         model, tokenizer = load_model(cfg.model, say)
@@ -341,6 +347,7 @@ def run_experiment(
             tokenizer.pad_token_id,
             seed=cfg.fl.seed,
             profiles=profiles,
+            batched=cfg.fl.batched,
         )
     kind, wm = WATERMARKS[cfg.watermark.kind], cfg.watermark
 
@@ -442,6 +449,9 @@ def run_experiment(
             "profiles": profiles.summary(),
         },
         "strategy": cfg.fl.strategy,
+        # Whether a round's clients were trained together (fl.batched, where it pays) or one
+        # after another (fl.batched=false, a remote runtime's clients).
+        "training": {"batched": bool(getattr(pool, "batched", False))},
         "watermark": cfg.watermark.kind,
         "detector": cfg.watermark.detector,
         "model": {

@@ -148,20 +148,27 @@ def baselines_table(baselines: Sequence[Mapping[str, Any]]) -> str:
     return table(["baseline", "respects SA", "flagged", "TPR", "FPR", "p"], rows)
 
 
-def stages_table(timing: Mapping[str, float], memory: Mapping[str, float] | None = None) -> str:
+def stages_table(timing: Mapping[str, Any], memory: Mapping[str, float] | None = None) -> str:
     """Seconds per stage, and each stage's peak resident memory where ``memory`` (GB, keyed by
-    the stage without ``_s``) has it."""
-    if not memory:
-        return table(["stage", "seconds"], [[k, f"{v:.1f}"] for k, v in timing.items()])
-    rows = [
-        [
-            k,
-            f"{v:.1f}",
-            f"{memory[k.removesuffix('_s')]:.2f}" if k.removesuffix("_s") in memory else "",
-        ]
-        for k, v in timing.items()
-    ]
-    return table(["stage", "seconds", "peak RSS GB"], rows)
+    the stage without ``_s``) has it; with a device profile (``timing["stages"]`` of a CUDA
+    run), the device's peak memory and how busy it was."""
+    seconds = {k: v for k, v in timing.items() if isinstance(v, int | float)}
+    profile = timing.get("stages") or {}
+    device = any("device_peak_gb" in row for row in profile.values())
+    head = ["stage", "seconds"] + (["peak RSS GB"] if memory else [])
+    head += ["device peak GB", "device busy"] if device else []
+    rows = []
+    for k, v in seconds.items():
+        stage = k.removesuffix("_s")
+        row = [k, f"{v:.1f}"]
+        if memory:
+            row.append(f"{memory[stage]:.2f}" if stage in memory else "")
+        if device:
+            p = profile.get(stage, {})
+            peak, busy = p.get("device_peak_gb"), p.get("device_busy")
+            row += ["" if peak is None else f"{peak:.2f}", "" if busy is None else f"{busy:.0%}"]
+        rows.append(row)
+    return table(head, rows)
 
 
 def variants_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
@@ -254,7 +261,7 @@ def run_report(
     summary: Sequence[str],
     report: AttributionReport,
     *,
-    timing: Mapping[str, float] | None = None,
+    timing: Mapping[str, Any] | None = None,
     memory: Mapping[str, float] | None = None,
     variants: Mapping[str, Mapping[str, Any]] | None = None,
     baselines: Sequence[Mapping[str, Any]] = (),
