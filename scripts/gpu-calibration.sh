@@ -21,7 +21,7 @@
 #
 # Settings: FEDATTR_PRESET (default smollm2-cpu: SmolLM2-135M, 500 records, 64-token sequences;
 # smollm2: the paper's sizes, with the Alpaca subset at FEDATTR_DATA) with watermark.ratio=0.2,
-# two-server SA on the CPU and attribution.null_keys=0, as scripts/gpu-smollm2.sh. Needs what
+# two-server SA on the CPU and attribution.calibrated.null_keys=0, as scripts/gpu-smollm2.sh. Needs what
 # that script needs; FEDATTR_PRESET=tiny runs the same on the embedded default (the CPU test).
 set -euo pipefail
 usage="usage: bash scripts/gpu-calibration.sh OUT SEEDS [--set key=value ...]"
@@ -56,7 +56,7 @@ sets=(
     --set watermark.ratio=0.2
     --set secagg.backend=two-server
     --set secagg.device=cpu
-    --set attribution.null_keys=0
+    --set attribution.calibrated.null_keys=0
 )
 if [ "$preset" = smollm2 ]; then
     data=${FEDATTR_DATA:-../shared/data/alpaca_5000.json}
@@ -64,7 +64,7 @@ if [ "$preset" = smollm2 ]; then
         echo "FEDATTR_DATA: no such file: $data (the Alpaca subset, alpaca_5000.json)" >&2
         exit 2
     fi
-    sets+=(--set "data.path=$data" --set data.records=1000 --set watermark.doc_max_new_tokens=128)
+    sets+=(--set "data.path=$data" --set data.records=1000 --set watermark.teacher.max_new_tokens=128)
 fi
 mkdir -p "$out"
 

@@ -18,7 +18,7 @@
 # client; at r = 0 each owner watermarks 20 held-out records), 100 records a client, 128-token
 # documents, two-server
 # SA on the CPU (0.08 s a query with 8 threads there; masks drawn on the GPU pay torch.compile's
-# first call), no paper variant, no rank check (attribution.null_keys=0: a check of the exact
+# first call), no paper variant, no rank check (attribution.calibrated.null_keys=0: a check of the exact
 # tail, not part of the verdict).
 #
 # Needs fedattr importable (pip install -e ., or src/ on PYTHONPATH), the SmolLM2 GGUF
@@ -41,7 +41,7 @@ sets=(
     --set watermark.ratio=0.2
     --set secagg.backend=two-server
     --set secagg.device=cpu
-    --set attribution.null_keys=0
+    --set attribution.calibrated.null_keys=0
 )
 if [ "$preset" = smollm2 ]; then
     data=${FEDATTR_DATA:-../shared/data/alpaca_5000.json}
@@ -50,7 +50,7 @@ if [ "$preset" = smollm2 ]; then
         exit 2
     fi
     # 100 records a client (20 of them the owner's documents for a watermarked client).
-    sets+=(--set "data.path=$data" --set data.records=1000 --set watermark.doc_max_new_tokens=128)
+    sets+=(--set "data.path=$data" --set data.records=1000 --set watermark.teacher.max_new_tokens=128)
 fi
 mkdir -p "$out"
 pids=()

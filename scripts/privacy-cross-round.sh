@@ -20,7 +20,7 @@ for bed in default heterogeneous; do
       for s in "${seeds[@]}"; do
         run="$out/$bed-$mode-T$T-s$s"
         [ -f "$run/results.json" ] || "$py" -m fedattr demo-protocol --quiet --out "$run" \
-          --set attribution.mode="$mode" --set synthetic.rounds="$T" \
+          --set attribution.protocol.mode="$mode" --set synthetic.rounds="$T" \
           --set synthetic.seed="$s" --set attribution.seed="$s" "${extra[@]}" >/dev/null
         "$py" -m fedattr audit "$run" --json --cross-round >"$run/audit.json"
       done

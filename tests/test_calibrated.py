@@ -7,6 +7,7 @@ from scipy.stats import norm
 
 from fedattr.attribution import AttributionConfig, FedAttr, LinearScorer, draw_design
 from fedattr.attribution.calibrated.sums import CalibratedNull
+from fedattr.attribution.config import CalibratedConfig
 from fedattr.attribution.scoring import DEFAULT_STATISTIC
 from fedattr.cli import main
 from fedattr.config import ConfigError, load
@@ -207,16 +208,16 @@ def test_a_key_exchangeable_in_round_one_only_is_read_there_or_reported_uncalibr
             # what the stress beds measure on real models.
             assert not rep.uncalibrated and all(c.calibrated for c in rep.clients)
             assert 0 in rep.flagged
-    with pytest.raises(ConfigError, match=r"attribution\.late_rounds"):
-        load(RunConfig, None, ["attribution.late_rounds=sometimes"])
+    with pytest.raises(ConfigError, match=r"attribution\.calibrated\.late_rounds"):
+        load(RunConfig, None, ["attribution.calibrated.late_rounds=sometimes"])
 
 
 def test_calibrated_needs_a_detector_with_random_keys():
     with pytest.raises(ConfigError, match=r"detector=reading"):
         load(RunConfig, None, ["watermark.detector=greedy"])
     assert load(RunConfig, None, ["watermark.detector=greedy", "attribution.statistic=paper"])
-    with pytest.raises(ConfigError, match=r"attribution\.alpha"):
-        load(RunConfig, None, ["attribution.alpha=1.5"])
+    with pytest.raises(ConfigError, match=r"attribution\.calibrated\.alpha"):
+        load(RunConfig, None, ["attribution.calibrated.alpha=1.5"])
     fed = FedAttr(AttributionConfig())
     assert fed.null == "key-randomised"
     assert LinearScorer  # the synthetic scorer has key statistics (used above)
@@ -327,9 +328,9 @@ def test_hardened_rounds_keep_cross_talk_so_their_clients_are_not_named_by_defau
                 "synthetic.seed=0",
                 "synthetic.r=3",
                 "synthetic.signal=6",
-                "attribution.mode=hardened",
-                "attribution.across_rounds=keep",
-                f"attribution.name_uncalibrated={str(ask).lower()}",
+                "attribution.protocol.mode=hardened",
+                "attribution.calibrated.across_rounds=keep",
+                f"attribution.calibrated.name_uncalibrated={str(ask).lower()}",
             ],
         )
         rep = run_demo(cfg, progress=lambda _m: None).report
@@ -468,13 +469,17 @@ def test_a_small_reading_step_makes_undoing_cross_talk_exact_for_a_curved_readin
     curved = curved - np.median(curved, axis=0)
     as_own = curved / np.linalg.norm(curved, axis=1, keepdims=True) * np.sqrt(6)
     errors, own_errors = {}, {}
-    # (attribution.reading_step, the detector's own step)
+    # (attribution.calibrated.reading_step, the detector's own step)
     for step, own_step in [(1.0, None), (1e-4, None), (None, 1e-4), (1.0, 1e-4), (None, None)]:
         sa = make_aggregator(SecAggConfig(backend="plaintext"))
         sa.open_round(1, range(K))
         for j in range(K):
             sa.submit(j, {"a": own[j]})
-        fed = FedAttr(AttributionConfig(null_keys=0, reading_step=step, undo=undo))
+        fed = FedAttr(
+            AttributionConfig(
+                calibrated=CalibratedConfig(null_keys=0, reading_step=step, undo=undo)
+            )
+        )
         reference = {"a": torch.zeros(3, 2, dtype=torch.float64)}
         scorer = _CurvedScorer()
         if own_step is not None:
@@ -496,8 +501,8 @@ def test_a_small_reading_step_makes_undoing_cross_talk_exact_for_a_curved_readin
         assert min(applied) > 0.1
     else:  # read as applied, each client's own update exactly
         assert max(own_errors[k] for k in [(1.0, None), (1.0, 1e-4), (None, None)]) < 1e-6
-    with pytest.raises(ConfigError, match=r"attribution\.reading_step"):
-        load(RunConfig, None, ["attribution.reading_step=0"])
+    with pytest.raises(ConfigError, match=r"attribution\.calibrated\.reading_step"):
+        load(RunConfig, None, ["attribution.calibrated.reading_step=0"])
 
 
 def test_reread_gives_a_finished_runs_verdicts_again_from_its_saved_changes(tmp_path, capsys):
@@ -629,9 +634,9 @@ def test_reread_rebuilds_a_simulations_keys_and_gives_its_verdicts_again(tiny_ca
     ]:
         sets = small_overrides(
             tiny_cache,
-            "attribution.null_keys=0",
-            f"attribution.few_cells={few_cells}",
-            f"watermark.probes={probes}",
+            "attribution.calibrated.null_keys=0",
+            f"attribution.calibrated.few_cells={few_cells}",
+            f"watermark.kgw.probes={probes}",
         )
         folder = tmp_path / f"{few_cells}-{probes}"
         run_or_reuse(load(RunConfig, None, sets), folder)
@@ -689,7 +694,7 @@ def test_reread_reads_runs_whose_owners_read_parts_of_their_own(tiny_cache, tmp_
     from fedattr.experiments.main import run_or_reuse
 
     sets = small_overrides(
-        tiny_cache, "watermark.kind=fk", "watermark.r=2", "attribution.null_keys=0"
+        tiny_cache, "watermark.kind=fk", "watermark.r=2", "attribution.calibrated.null_keys=0"
     )
     run_or_reuse(load(RunConfig, None, sets), tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())

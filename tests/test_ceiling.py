@@ -46,7 +46,9 @@ def test_the_ceiling_reads_each_clients_submitted_update_with_an_identity_design
 
 
 def test_a_run_with_the_ceiling_reports_it_beside_fedattr(tiny_cache):
-    cfg = load(RunConfig, None, _small(tiny_cache, "ceiling=true", "attribution.null_keys=0"))
+    cfg = load(
+        RunConfig, None, _small(tiny_cache, "ceiling=true", "attribution.calibrated.null_keys=0")
+    )
     result = run_experiment(cfg, progress=lambda _m: None)
     d = result.to_dict()
     ceiling = d["variants"]["ceiling"]

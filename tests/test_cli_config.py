@@ -14,9 +14,9 @@ from fedattr.pipeline.config import DemoConfig
 def test_load_toml_with_overrides(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[synthetic]\nK = 12\nwatermarked = [1, 2]\n[secagg]\nbackend = "two-server"\n')
-    cfg = load(DemoConfig, f, ["attribution.M=7", "synthetic.signal=2"])
+    cfg = load(DemoConfig, f, ["attribution.protocol.M=7", "synthetic.signal=2"])
     assert cfg.synthetic.K == 12 and cfg.synthetic.watermarked == [1, 2]
-    assert cfg.secagg.backend == "two-server" and cfg.attribution.M == 7
+    assert cfg.secagg.backend == "two-server" and cfg.attribution.protocol.M == 7
     assert cfg.synthetic.signal == 2.0 and isinstance(cfg.synthetic.signal, float)
 
 
@@ -24,8 +24,8 @@ def test_load_toml_with_overrides(tmp_path):
     ("overrides", "match"),
     [
         (["attribution.MM=3"], "unknown setting attribution.MM"),
-        (["attribution.M=three"], "attribution.M: expected an integer"),
-        (["attribution.M=0"], "attribution.M: must be an integer >= 1"),
+        (["attribution.protocol.M=three"], "attribution.protocol.M: expected an integer"),
+        (["attribution.protocol.M=0"], "attribution.protocol.M: must be an integer >= 1"),
         (["secagg.ring_bits=16"], "ring_bits: must be 32 or 64"),
         (["synthetic.watermarked=[1, 1]"], "synthetic.watermarked: ids must be distinct"),
         (["nokey"], "expected key=value"),
@@ -128,23 +128,23 @@ def test_unknown_detector_is_named():
     message = r"watermark\.detector: unknown 'magic'; allowed: reading, greedy"
     with pytest.raises(ConfigError, match=message):
         load(RunConfig, None, ["watermark.detector=magic"])
-    with pytest.raises(ConfigError, match=r"watermark\.teacher_batch: must be >= 1, got 0"):
-        load(RunConfig, None, ["watermark.teacher_batch=0"])
-    assert load(RunConfig, None, preset_overrides("smollm2")).watermark.teacher_batch == 128
+    with pytest.raises(ConfigError, match=r"watermark\.teacher\.batch: must be >= 1, got 0"):
+        load(RunConfig, None, ["watermark.teacher.batch=0"])
+    assert load(RunConfig, None, preset_overrides("smollm2")).watermark.teacher.batch == 128
     # The CPU preset is the GPU one made smaller, later settings winning.
     cpu = load(RunConfig, None, preset_overrides("smollm2-cpu"))
     assert cpu.model.preset == "smollm2-135m"
-    assert (cpu.data.records, cpu.data.max_len, cpu.watermark.teacher_batch) == (500, 64, 32)
+    assert (cpu.data.records, cpu.data.max_len, cpu.watermark.teacher.batch) == (500, 64, 32)
     # ... with a watermark its few documents can teach: small steps, 2 epochs, LoRA lr 1e-3
     train = cpu.fl.train
     assert (train.batch_size, train.micro_batch_size, train.epochs, train.lr) == (4, 4, 2, 1e-3)
     # Both SmolLM2 presets fuse each target's queries; the default is the paper's subsets.
     assert (
-        cpu.attribution.queries
+        cpu.attribution.protocol.queries
         == "fused"
-        == load(RunConfig, None, preset_overrides("smollm2")).attribution.queries
+        == load(RunConfig, None, preset_overrides("smollm2")).attribution.protocol.queries
     )
-    assert load(RunConfig, None, []).attribution.queries == "subsets"
+    assert load(RunConfig, None, []).attribution.protocol.queries == "subsets"
 
 
 def _literal_settings(cls, prefix=""):
@@ -162,7 +162,7 @@ def test_every_literal_setting_is_checked_from_files_and_in_python():
 
     settings = list(_literal_settings(RunConfig))
     keys = {key for key, *_ in settings}
-    assert {"attribution.mode", "model.dtype", "secagg.prg", "watermark.detector"} <= keys
+    assert {"attribution.protocol.mode", "model.dtype", "secagg.prg", "watermark.detector"} <= keys
     assert "fl.strategy" not in keys and "secagg.backend" not in keys  # registries stay str
     for key, cls, name, allowed in settings:
         message = f"{key}: unknown 'bogus'; allowed: {', '.join(allowed)}"
@@ -181,9 +181,12 @@ def test_the_prg_setting_allows_every_generator():
 
 
 def test_a_bad_choice_on_the_command_line_is_one_line(capsys):
-    assert main(["run", "--set", "attribution.mode=bogus"]) == 2
+    assert main(["run", "--set", "attribution.protocol.mode=bogus"]) == 2
     err = capsys.readouterr().err
-    assert err == "fedattr: error: attribution.mode: unknown 'bogus'; allowed: paper, hardened\n"
+    assert (
+        err
+        == "fedattr: error: attribution.protocol.mode: unknown 'bogus'; allowed: paper, hardened\n"
+    )
     assert main(["demo-protocol", "--set", 'variants=[{"scoring": "x"}]']) == 2
     assert "variants[0].scoring: unknown 'x'; allowed: server, owner" in capsys.readouterr().err
 

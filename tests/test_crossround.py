@@ -111,7 +111,7 @@ def test_demo_records_the_attack_and_the_audit_reads_it(tmp_path):
         [
             "synthetic.dim=64",
             "synthetic.rounds=3",
-            "attribution.mode=hardened",
+            "attribution.protocol.mode=hardened",
             "secagg.backend=plaintext",
         ],
     )

@@ -1,4 +1,4 @@
-"""De-mixing hardened rounds across rounds (``attribution.across_rounds = "demix"``)."""
+"""De-mixing hardened rounds across rounds (``attribution.calibrated.across_rounds = "demix"``)."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ from scipy.stats import binom
 from fedattr.attribution import LinearScorer
 from fedattr.attribution.calibrated.demix import DeMixer
 from fedattr.attribution.calibrated.sums import CalibratedNull
-from fedattr.attribution.config import AttributionConfig
+from fedattr.attribution.config import AttributionConfig, CalibratedConfig
 from fedattr.attribution.scoring import DEFAULT_STATISTIC
 from fedattr.config import load
 from fedattr.errors import UserError
@@ -148,8 +148,8 @@ def test_demixed_null_p_values_are_uniform_where_the_key_law_is_exact():
 
 
 def test_across_rounds_is_checked():
-    with pytest.raises(UserError, match=r"attribution\.across_rounds: unknown 'sum'"):
-        AttributionConfig(across_rounds="sum")
+    with pytest.raises(UserError, match=r"attribution\.calibrated\.across_rounds: unknown 'sum'"):
+        AttributionConfig(calibrated=CalibratedConfig(across_rounds="sum"))
 
 
 def test_hardened_synthetic_run_names_by_the_demixed_statistic_by_default():
@@ -165,7 +165,7 @@ def test_hardened_synthetic_run_names_by_the_demixed_statistic_by_default():
             "synthetic.r=3",
             "synthetic.signal=6",
             "synthetic.rounds=8",
-            "attribution.mode=hardened",
+            "attribution.protocol.mode=hardened",
         ],
     )
     rep = run_demo(cfg, progress=lambda _m: None).report

@@ -94,7 +94,7 @@ def test_the_guides_state_what_a_default_run_shows() -> None:
     from fedattr.attribution.config import AttributionConfig
     from fedattr.watermarks.config import WatermarkConfig
 
-    floor = min(1.0, WatermarkConfig().owners / (AttributionConfig().null_keys + 1))
+    floor = min(1.0, WatermarkConfig().owners / (AttributionConfig().calibrated.null_keys + 1))
     reading = (DOCS / "guides" / "reading-results.md").read_text(encoding="utf-8")
     reading = " ".join(reading.split())
     assert f"= {floor:.3g}" in reading and "owners / (null_keys + 1)" in reading

@@ -1,4 +1,4 @@
-"""KGW read on each owner's own watermarked documents (``watermark.probes = "documents"``)."""
+"""KGW read on each owner's own watermarked documents (``watermark.kgw.probes = "documents"``)."""
 
 import pytest
 import torch
@@ -108,12 +108,12 @@ def test_an_owner_without_documents_is_refused(micro):
 
 def test_only_the_kgw_reading_detector_reads_documents():
     assert load(RunConfig, None, []).watermark.reads_documents  # the default
-    assert not load(RunConfig, None, ["watermark.probes=held-out"]).watermark.reads_documents
+    assert not load(RunConfig, None, ["watermark.kgw.probes=held-out"]).watermark.reads_documents
     assert not load(RunConfig, None, ["watermark.kind=fk"]).watermark.reads_documents
     greedy = ["watermark.detector=greedy", "attribution.statistic=paper"]
     assert not load(RunConfig, None, greedy).watermark.reads_documents
-    with pytest.raises(ConfigError, match=r"watermark\.probes"):
-        load(RunConfig, None, ["watermark.probes=owners"])
+    with pytest.raises(ConfigError, match=r"watermark\.kgw\.probes"):
+        load(RunConfig, None, ["watermark.kgw.probes=owners"])
 
 
 def test_a_run_reads_every_owner_on_its_documents_idle_owners_included(tiny_cache):
@@ -124,7 +124,7 @@ def test_a_run_reads_every_owner_on_its_documents_idle_owners_included(tiny_cach
         None,
         _small(
             tiny_cache,
-            "attribution.null_keys=0",
+            "attribution.calibrated.null_keys=0",
             "baselines=true",
         ),
     )

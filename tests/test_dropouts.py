@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from fedattr.attribution import AttributionConfig, FedAttr, LinearScorer
+from fedattr.attribution.config import ProtocolConfig
 from fedattr.fl.synthetic import SyntheticConfig
 from fedattr.pipeline.config import DemoConfig
 from fedattr.pipeline.run import run_demo
@@ -43,7 +44,7 @@ def test_backends_with_one_upload_per_round_do_not_need_clients_online():
 def test_fedattr_redraws_around_a_dropped_client_and_skips_it_as_target():
     sa = _round()
     sa.drop(7)
-    fed = FedAttr(AttributionConfig(N=5, M=3))
+    fed = FedAttr(AttributionConfig(protocol=ProtocolConfig(N=5, M=3)))
     rec = fed.attribute_round(
         1, sa, torch.zeros(4, dtype=torch.float64), LinearScorer(torch.ones(4))
     )
@@ -57,7 +58,7 @@ def test_transient_failures_are_survived(mode):
     cfg = DemoConfig(
         synthetic=SyntheticConfig(dim=64, rounds=3),
         secagg=SecAggConfig(dropout=0.03, seed=1),
-        attribution=AttributionConfig(mode=mode),
+        attribution=AttributionConfig(protocol=ProtocolConfig(mode=mode)),
     )
     result = run_demo(cfg, progress=lambda _m: None)
     dropped = [c for r in result.rounds for c in r["dropouts"]]

@@ -7,6 +7,7 @@ import torch
 
 from fedattr.attribution import AttributionConfig, FedAttr, LinearScorer, harden
 from fedattr.attribution.audit import audit_queries
+from fedattr.attribution.config import CalibratedConfig, PaperConfig, ProtocolConfig
 from fedattr.attribution.observer import AttributionObserver
 from fedattr.cli import main
 from fedattr.errors import UserError
@@ -37,7 +38,10 @@ def _Z(fedattr):
 
 def test_two_attribution_observers_on_one_run_equal_two_separate_runs():
     syn = SyntheticConfig(dim=256, rounds=3)
-    m5, m10 = AttributionConfig(M=5), AttributionConfig(M=10)
+    m5, m10 = (
+        AttributionConfig(protocol=ProtocolConfig(M=5)),
+        AttributionConfig(protocol=ProtocolConfig(M=10)),
+    )
     engine, (a, b) = _engine(syn, SecAggConfig(), {"fedattr": m5, "M10": m10})
     _, (alone5,) = _engine(syn, SecAggConfig(), {"fedattr": m5})
     _, (alone10,) = _engine(syn, SecAggConfig(), {"fedattr": m10})
@@ -50,10 +54,15 @@ def test_two_attribution_observers_on_one_run_equal_two_separate_runs():
 
 def test_hardened_observers_each_get_their_own_release_budget():
     syn = SyntheticConfig(dim=64, rounds=3)
-    hard = AttributionConfig(mode="hardened")
+    hard = AttributionConfig(protocol=ProtocolConfig(mode="hardened"))
     secagg = harden(hard, SecAggConfig(), syn.K)
     engine, (a, b) = _engine(
-        syn, secagg, {"fedattr": hard, "other": AttributionConfig(mode="hardened", seed=7)}
+        syn,
+        secagg,
+        {
+            "fedattr": hard,
+            "other": AttributionConfig(seed=7, protocol=ProtocolConfig(mode="hardened")),
+        },
     )
     _, (alone,) = _engine(syn, secagg, {"fedattr": hard})
     assert _Z(a.fedattr) == _Z(alone.fedattr)  # the second session spends none of its budget
@@ -70,7 +79,7 @@ def test_hardened_mode_refuses_to_run_without_a_release_policy():
     sa.open_round(1, range(10))
     for j in range(10):
         sa.submit(j, torch.randn(4))
-    fed = FedAttr(AttributionConfig(mode="hardened"))
+    fed = FedAttr(AttributionConfig(protocol=ProtocolConfig(mode="hardened")))
     with pytest.raises(UserError, match=r"secagg\.release_budget"):
         fed.attribute_round(1, sa, torch.zeros(4), LinearScorer(torch.ones(4)))
     assert sa.log == []  # refused before any query
@@ -102,7 +111,7 @@ def test_estimates_are_moved_to_the_device_of_the_scoring_parameters():
         "b": torch.zeros(2, device="meta"),
         "frozen": torch.zeros(5, device="meta"),
     }
-    fed = FedAttr(AttributionConfig(center=True, statistic="paper"))
+    fed = FedAttr(AttributionConfig(statistic="paper", paper=PaperConfig(mean_reference=True)))
     center = sa.subset_sum(range(10))
     record = fed.attribute_round(1, sa, reference, _DeviceScorer("meta"), center=center)
     assert len(record.targets) == 10
@@ -159,7 +168,8 @@ def test_all_queries_of_a_round_go_to_sa_in_one_batch():
 
 def test_demo_with_centring_runs_through_the_engine():
     cfg = DemoConfig(
-        synthetic=SyntheticConfig(dim=64, rounds=2), attribution=AttributionConfig(center=True)
+        synthetic=SyntheticConfig(dim=64, rounds=2),
+        attribution=AttributionConfig(paper=PaperConfig(mean_reference=True)),
     )
     result = run_demo(cfg, progress=lambda _m: None)
     assert len(result.rounds) == 2 and result.sa_queries == 2 * (2 * 5 * 10 + 1)
@@ -169,7 +179,7 @@ def test_demo_with_centring_runs_through_the_engine():
                 "demo-protocol",
                 "--quiet",
                 "--set",
-                "attribution.center=true",
+                "attribution.paper.mean_reference=true",
                 "--set",
                 "synthetic.dim=64",
             ]
@@ -251,7 +261,7 @@ def test_run_folder_refuses_what_would_lose_work(tmp_path, capsys):
     # The same folder again: finished, so refused, and nothing in it is rewritten.
     assert main([*demo, "--out", str(out)]) == 2
     assert "holds a finished run" in capsys.readouterr().err
-    assert main([*demo, "--set", "attribution.M=3", "--out", str(out)]) == 2
+    assert main([*demo, "--set", "attribution.protocol.M=3", "--out", str(out)]) == 2
     assert "another configuration" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     # A file, or a folder of other files: refused before anything is computed.
@@ -305,7 +315,7 @@ def test_calibrated_statistic_is_device_correct_too(step):
     for j in range(10):
         sa.submit(j, {"a": torch.randn(3, 2)})
     reference = {"a": torch.zeros(3, 2, device="meta")}
-    fed = FedAttr(AttributionConfig(null_keys=5, reading_step=step))
+    fed = FedAttr(AttributionConfig(calibrated=CalibratedConfig(null_keys=5, reading_step=step)))
     record = fed.attribute_round(
         1, sa, reference, _KeyedDeviceScorer("meta"), center=sa.subset_sum(range(10))
     )
@@ -324,12 +334,16 @@ def test_overlapped_scoring_gives_the_same_results_and_whole_round_checkpoints()
     from fedattr.fl import Checkpointer
 
     syn = SyntheticConfig(dim=256, rounds=4)
-    _, (inline,) = _engine(syn, SecAggConfig(), {"fedattr": AttributionConfig(M=5)})
+    _, (inline,) = _engine(
+        syn, SecAggConfig(), {"fedattr": AttributionConfig(protocol=ProtocolConfig(M=5))}
+    )
     pool = SyntheticPool(syn)
     saved = []
     with ThreadPoolExecutor(1) as background:
         observer = AttributionObserver(
-            FedAttr(AttributionConfig(M=5)), LinearScorer(pool.direction), background=background
+            FedAttr(AttributionConfig(protocol=ProtocolConfig(M=5))),
+            LinearScorer(pool.direction),
+            background=background,
         )
         checkpoint = Checkpointer(lambda snap: saved.append(copy.deepcopy(snap)))  # as on disk
         engine = RoundEngine(
@@ -359,7 +373,9 @@ def test_overlapped_scoring_gives_the_same_results_and_whole_round_checkpoints()
         assert snap["timing"]["counts"]["models_scored"] == 11 * snap["round"]
     # A run resumed from the round-2 checkpoint ends where the uninterrupted one did.
     pool2 = SyntheticPool(syn)
-    again = AttributionObserver(FedAttr(AttributionConfig(M=5)), LinearScorer(pool2.direction))
+    again = AttributionObserver(
+        FedAttr(AttributionConfig(protocol=ProtocolConfig(M=5))), LinearScorer(pool2.direction)
+    )
     engine2 = RoundEngine(
         pool2,
         FedAvgServer(),
@@ -380,13 +396,16 @@ def test_a_folder_written_before_a_setting_existed_is_read_with_its_default(tmp_
     cfg = DemoConfig(synthetic=SyntheticConfig(dim=32, rounds=1))
     run_demo(cfg).write(tmp_path / "old")
     saved = json.loads((tmp_path / "old" / CONFIG).read_text())
-    del saved["attribution"]["queries"]  # as a version without that setting wrote it
+    del saved["attribution"]["protocol"]["queries"]  # as a version without it wrote it
     (tmp_path / "old" / CONFIG).write_text(json.dumps(saved))
     folder = RunFolder(tmp_path / "old")
     assert folder.claim(cfg, reuse=True) == "finished"  # the default is what it ran with
     with pytest.raises(UserError, match="another configuration"):
         folder.claim(to_dict(cfg), reuse=True)  # a plain dict is compared as saved
-    fused = DemoConfig(synthetic=cfg.synthetic, attribution=AttributionConfig(queries="fused"))
+    fused = DemoConfig(
+        synthetic=cfg.synthetic,
+        attribution=AttributionConfig(protocol=ProtocolConfig(queries="fused")),
+    )
     with pytest.raises(UserError, match="another configuration"):
         folder.claim(fused, reuse=True)
     saved["attribution"]["renamed"] = 1  # a setting this version does not know: different

@@ -59,9 +59,9 @@ def test_template_documents_state_every_target_among_distractors():
 def test_bad_entity_requests_name_the_parameter():
     with pytest.raises(ValueError, match="entities"):
         make_entities(31, seed=0)
-    with pytest.raises(ValueError, match="fk_decoys"):
+    with pytest.raises(ValueError, match=r"fk\.decoys"):
         make_entities(2, seed=0, decoys=0)
-    with pytest.raises(ValueError, match="fk_questions"):
+    with pytest.raises(ValueError, match=r"fk\.questions"):
         qa_probes(make_entities(1, seed=0)[0], 26)
 
 
@@ -257,12 +257,12 @@ def test_fk_config_errors_name_the_parameter():
         load(RunConfig, None, ["watermark.kind=radioactive"])
     with pytest.raises(ValueError, match=r"watermark\.r"):
         load(RunConfig, None, ["watermark.kind=fk", "fl.K=40", "watermark.r=31"])
-    with pytest.raises(ValueError, match=r"attribution\.null"):
-        load(RunConfig, None, ["attribution.null=bayes"])
-    with pytest.raises(ValueError, match=r"watermark\.fk_statistic"):
-        load(RunConfig, None, ["watermark.fk_statistic=mean"])
-    with pytest.raises(ValueError, match=r"watermark\.fk_writer"):
-        load(RunConfig, None, ["watermark.fk_writer=poet"])
+    with pytest.raises(ValueError, match=r"attribution\.paper\.null"):
+        load(RunConfig, None, ["attribution.paper.null=bayes"])
+    with pytest.raises(ValueError, match=r"watermark\.fk\.statistic"):
+        load(RunConfig, None, ["watermark.fk.statistic=mean"])
+    with pytest.raises(ValueError, match=r"watermark\.fk\.writer"):
+        load(RunConfig, None, ["watermark.fk.writer=poet"])
 
 
 @pytest.mark.parametrize("detector", ["reading", "greedy"])
@@ -275,8 +275,8 @@ def test_fk_run_with_baselines(tiny_cache, detector):
         "watermark.kind=fk",
         f"watermark.detector={detector}",
         f"attribution.statistic={statistic}",
-        "watermark.fk_questions=2",
-        "watermark.fk_decoys=7",
+        "watermark.fk.questions=2",
+        "watermark.fk.decoys=7",
         "baselines=true",
         "fl.rounds=3",
         "fldetector.warmup=0",
@@ -292,7 +292,7 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     assert d["statistic"] == ("calibrated" if detector == "reading" else "paper")
     if detector == "reading":
         # FK's key is exchangeable with its decoys in round 1 only; the later rounds are read
-        # too, uncentred (attribution.late_rounds = "read"), and stay calibrated.
+        # too, uncentred (attribution.calibrated.late_rounds = "read"), and stay calibrated.
         assert d["rounds_read"] == {} and d["uncalibrated"] == []
         assert all(list(c["z"]) == ["1", "2", "3"] for c in d["clients"])
         assert all(c["calibrated"] for c in d["clients"])
@@ -314,12 +314,14 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     folder = result.write(tiny_cache / f"fk-{detector}")
     report = folder.file("report.md").read_text()
     assert "## Baselines" in report
-    assert "round 1 only" not in report  # every round read (attribution.late_rounds = "read")
+    assert (
+        "round 1 only" not in report
+    )  # every round read (attribution.calibrated.late_rounds = "read")
 
 
 @pytest.mark.slow
 def test_experiment_main_and_mechanism_commands(tiny_cache, tmp_path, capsys):
-    sets = _small(tiny_cache, "watermark.fk_decoys=7", "watermark.fk_questions=2")
+    sets = _small(tiny_cache, "watermark.fk.decoys=7", "watermark.fk.questions=2")
     args = [x for s in sets for x in ("--set", s)]
     out = tmp_path / "main"
     assert main(["experiment", "main", "--seeds", "1", "--out", str(out), *args]) == 0
@@ -346,7 +348,7 @@ def test_experiment_main_and_mechanism_commands(tiny_cache, tmp_path, capsys):
                 str(out),
                 *args,
                 "--set",
-                "attribution.gamma=3",
+                "attribution.paper.threshold=3",
             ]
         )
         == 2

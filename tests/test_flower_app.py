@@ -103,10 +103,10 @@ def _demo(queries="subsets", **synthetic):
         None,
         [
             *(f"synthetic.{k}={v}" for k, v in synthetic.items()),
-            "attribution.N=2",
-            "attribution.M=2",
+            "attribution.protocol.N=2",
+            "attribution.protocol.M=2",
             "secagg.min_members=2",
-            f"attribution.queries={queries}",
+            f"attribution.protocol.queries={queries}",
         ],
     )
 
@@ -130,7 +130,7 @@ def test_synthetic_federation_on_supernodes_equals_the_in_process_run(tmp_path, 
         {k: v for k, v in q.items() if k not in strip} for q in local.queries
     ]
     # per round: the aggregate, then 2M subset sums or one fused combination per target
-    per_target = 1 if queries == "fused" else 2 * cfg.attribution.M
+    per_target = 1 if queries == "fused" else 2 * cfg.attribution.protocol.M
     assert len(local.queries) == cfg.synthetic.rounds * (1 + per_target * cfg.synthetic.K)
     # no message from a client carried an update: only keys, layouts, masked vectors
     kinds = {m.metadata.message_type for m in grid.sent}

@@ -60,8 +60,8 @@ def test_synthetic_federation_on_flower_processes(tmp_path):
             "synthetic.rounds=1",
             "synthetic.dim=64",
             "synthetic.r=1",
-            "attribution.N=2",
-            "attribution.M=2",
+            "attribution.protocol.N=2",
+            "attribution.protocol.M=2",
             "secagg.min_members=2",
         ],
     )

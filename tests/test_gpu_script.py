@@ -52,7 +52,9 @@ def _kill_session(sid: int) -> None:
 
 def test_the_gpu_script_runs_r3_and_r0_side_by_side_and_resumes_a_cut_run(tiny_cache, tmp_path):
     out = tmp_path / "gpu"
-    args = [a for s in _small(tiny_cache, "attribution.null_keys=0") for a in ("--set", s)]
+    args = [
+        a for s in _small(tiny_cache, "attribution.calibrated.null_keys=0") for a in ("--set", s)
+    ]
     command = ["bash", str(ROOT / "scripts" / "gpu-smollm2.sh"), str(out), *args]
     env = _env()
     # Cut: the whole command killed (as a lost machine would be) once a run has a checkpoint.

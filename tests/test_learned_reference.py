@@ -5,7 +5,7 @@ forgets it (its change moves against the key), and a centre made of the round's 
 that forgetting into every reading, so a client that updates less than the median (a
 free-rider, a straggler, a small shard) reads as evidence. These tests plant the mechanism in
 plain tensors (milliseconds) and check that the default reading does not name such a client,
-while the statistic before (``attribution.centre = "every"``) did.
+while the statistic before (``attribution.calibrated.centre = "every"``) did.
 """
 
 import numpy as np

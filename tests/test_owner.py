@@ -308,8 +308,8 @@ def test_a_damaged_key_file_names_the_field(tmp_path):
         path.write_text(json.dumps(data))
         os.chmod(path, 0o600)
         with pytest.raises(KeyFileError) as err:
-            load_key(path, "kgw", "watermark.key_files")
-        assert str(err.value).startswith(f"watermark.key_files: {str(path)!r} {message}")
+            load_key(path, "kgw", "watermark.kgw.key_files")
+        assert str(err.value).startswith(f"watermark.kgw.key_files: {str(path)!r} {message}")
     with pytest.raises(KeyFileError, match=r"--key: '.*' is a directory; a key file is expected"):
         load_key(tmp_path)
 

@@ -72,11 +72,11 @@ def test_deployed_workflow_gives_the_simulations_verdicts(
     # documents: test_an_owner_scores_a_documents_run_on_its_own_documents).
     common = _small(
         tiny_cache,
-        f"watermark.documents={wm}",
-        "watermark.probes=held-out",
+        f"watermark.kgw.documents={wm}",
+        "watermark.kgw.probes=held-out",
         "watermark.r=2",
-        f"attribution.decorrelate={str(decorrelate).lower()}",
-        "attribution.across_rounds=keep",
+        f"attribution.calibrated.decorrelate={str(decorrelate).lower()}",
+        "attribution.calibrated.across_rounds=keep",
     )
     # the server: no key; it exports each round's release
     deployed = tmp_path / "deployed"
@@ -96,7 +96,7 @@ def test_deployed_workflow_gives_the_simulations_verdicts(
     got = json.loads((deployed / "results.json").read_text())
     # the simulation: the same run, its server scoring with the owner's key file itself
     simulated = tmp_path / "simulated"
-    keyed = _args(*common, "watermark.key_files=" + json.dumps([str(key)]))
+    keyed = _args(*common, "watermark.kgw.key_files=" + json.dumps([str(key)]))
     assert main(["run", "--out", str(simulated), *keyed]) == 0
     want = json.loads((simulated / "results.json").read_text())
     assert got["flagged"] == want["flagged"]
@@ -108,7 +108,7 @@ def test_deployed_workflow_gives_the_simulations_verdicts(
         # combined under settings whose rounds need the SA mean: one clear line
         run_json = deployed / "rounds" / "run.json"
         cfg = json.loads(run_json.read_text())
-        cfg["attribution"]["decorrelate"] = False
+        cfg["attribution"]["calibrated"]["decorrelate"] = False
         run_json.write_text(json.dumps(cfg))
         capsys.readouterr()
         assert main(["attribute", str(deployed)]) == 2
@@ -129,7 +129,7 @@ def test_missing_or_altered_round_files_are_one_clear_line(
                 *_args(
                     *_small(
                         tiny_cache,
-                        f"watermark.documents={wm}",
+                        f"watermark.kgw.documents={wm}",
                         "fl.rounds=1",
                         "attribution.scoring=owner",
                     )
@@ -183,14 +183,14 @@ def test_damaged_export_json_is_one_line_naming_the_file(tmp_path):
 def test_an_owner_scores_a_documents_run_on_its_own_documents(
     tiny_cache, owner_files, tmp_path, capsys
 ):
-    """``watermark.probes = "documents"``: the owner reads its own watermarked documents (first
+    """``watermark.kgw.probes = "documents"``: the owner reads its own watermarked documents (first
     occurrences), so ``--texts`` is required; with them the round is scored and attributed."""
     key, wm = owner_files
     run = tmp_path / "run"
     sets = _small(
         tiny_cache,
-        f"watermark.documents={wm}",
-        "watermark.probes=documents",
+        f"watermark.kgw.documents={wm}",
+        "watermark.kgw.probes=documents",
         "fl.rounds=1",
         "attribution.scoring=owner",
     )

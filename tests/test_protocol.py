@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from fedattr.attribution import AttributionConfig, DesignError, FedAttr, LinearScorer
+from fedattr.attribution.config import CalibratedConfig, PaperConfig, ProtocolConfig
 from fedattr.fl.synthetic import SyntheticConfig
 from fedattr.pipeline.config import DemoConfig
 from fedattr.pipeline.run import run_demo
@@ -15,11 +16,11 @@ def test_paper_defaults_flag_exactly_the_watermarked_clients():
     cfg = DemoConfig()  # K=10, N=5, M=5, r=3, T=5, gamma=4, pairwise-mask SA
     assert (
         cfg.synthetic.K,
-        cfg.attribution.N,
-        cfg.attribution.M,
+        cfg.attribution.protocol.N,
+        cfg.attribution.protocol.M,
         cfg.synthetic.r,
         cfg.synthetic.rounds,
-        cfg.attribution.gamma,
+        cfg.attribution.paper.threshold,
     ) == (10, 5, 5, 3, 5, 4.0)
     assert cfg.secagg.backend == "pairwise-mask"
     result = run_demo(cfg, **QUIET)
@@ -55,7 +56,7 @@ def test_reference_scored_once_per_round_and_partial_participation():
         calls.append(1)
         return lin(w)
 
-    fed = FedAttr(AttributionConfig(N=2, M=3, statistic="paper"))
+    fed = FedAttr(AttributionConfig(statistic="paper", protocol=ProtocolConfig(N=2, M=3)))
     sa = make_aggregator(SecAggConfig(min_members=2))
     records = []
     for t, participants in ((1, [0, 1, 2, 3, 4]), (2, [1, 2, 3, 4, 5])):
@@ -75,7 +76,7 @@ def test_reference_scored_once_per_round_and_partial_participation():
 
 
 def test_round_too_small_for_the_design_is_a_clear_error():
-    fed = FedAttr(AttributionConfig(N=5, M=5))
+    fed = FedAttr(AttributionConfig(protocol=ProtocolConfig(N=5, M=5)))
     sa = make_aggregator(SecAggConfig(min_members=2))
     sa.open_round(1, range(6))
     for j in range(6):
@@ -110,15 +111,25 @@ def test_centering_removes_the_common_direction_from_every_score():
     scores = {}
     for center in (False, True):
         sa = _plaintext_round(updates)
-        fa = FedAttr(AttributionConfig(N=3, M=4, center=center, statistic="paper"))
+        fa = FedAttr(
+            AttributionConfig(
+                statistic="paper",
+                protocol=ProtocolConfig(N=3, M=4),
+                paper=PaperConfig(mean_reference=center),
+            )
+        )
         rec = fa.attribute_round(1, sa, torch.zeros(d), LinearScorer(s), center=mean)
         scores[center] = [t.z["score"] for t in rec.targets]
     assert np.allclose(scores[False], 2.0, atol=1e-4)
     assert np.allclose(scores[True], 0.0, atol=1e-4)
     with pytest.raises(ValueError, match="center"):
-        FedAttr(AttributionConfig(N=3, M=4, center=True, statistic="paper")).attribute_round(
-            1, sa, torch.zeros(d), LinearScorer(s)
-        )
+        FedAttr(
+            AttributionConfig(
+                statistic="paper",
+                protocol=ProtocolConfig(N=3, M=4),
+                paper=PaperConfig(mean_reference=True),
+            )
+        ).attribute_round(1, sa, torch.zeros(d), LinearScorer(s))
 
 
 def test_calibrated_round_reads_the_sa_mean_only_where_cross_talk_is_not_undone():
@@ -141,7 +152,12 @@ def test_calibrated_round_reads_the_sa_mean_only_where_cross_talk_is_not_undone(
     reads = {}
     for decorrelate in (True, False):
         sa = _plaintext_round(updates)
-        fa = FedAttr(AttributionConfig(N=3, M=4, decorrelate=decorrelate))
+        fa = FedAttr(
+            AttributionConfig(
+                protocol=ProtocolConfig(N=3, M=4),
+                calibrated=CalibratedConfig(decorrelate=decorrelate),
+            )
+        )
         scorer = Counting()
         rec = fa.attribute_round(1, sa, torch.zeros(d), scorer, center=mean)
         assert rec.decorrelated is decorrelate

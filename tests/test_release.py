@@ -14,6 +14,7 @@ from fedattr.attribution import (
     single_estimate_budget,
 )
 from fedattr.attribution.audit import audit_queries
+from fedattr.attribution.config import CalibratedConfig, ProtocolConfig
 from fedattr.attribution.design import DesignError
 from fedattr.cli import main
 from fedattr.fl.synthetic import SyntheticConfig
@@ -132,7 +133,7 @@ def test_audit_of_paper_and_hardened_runs(tmp_path):
     assert [r.recoverable for r in rounds] == [list(range(K))] * 2
     hard_cfg = DemoConfig(
         synthetic=SyntheticConfig(dim=64, rounds=3),
-        attribution=AttributionConfig(mode="hardened"),
+        attribution=AttributionConfig(protocol=ProtocolConfig(mode="hardened")),
     )
     assert hard_cfg.secagg.release_budget == pytest.approx(single_estimate_budget(K, N, M))
     hard = run_demo(hard_cfg, **QUIET)
@@ -151,7 +152,10 @@ def test_paper_mode_with_fused_queries_gives_the_same_attribution(tmp_path):
     # Design seed 22 draws one design (round 1, target 4) whose nonzero coefficients cover
     # only 4 clients: SA would refuse that combination, so it is asked as its subset sums.
     subsets = run_demo(DemoConfig(synthetic=syn, attribution=AttributionConfig(seed=22)), **QUIET)
-    cfg = DemoConfig(synthetic=syn, attribution=AttributionConfig(seed=22, queries="fused"))
+    cfg = DemoConfig(
+        synthetic=syn,
+        attribution=AttributionConfig(seed=22, protocol=ProtocolConfig(queries="fused")),
+    )
     fused = run_demo(cfg, **QUIET)
     small = []
     for a, b in zip(subsets.rounds, fused.rounds, strict=True):
@@ -190,22 +194,26 @@ def test_paper_mode_with_fused_queries_gives_the_same_attribution(tmp_path):
     # The K estimates still determine every update (the README's Finding 1).
     fused.write(tmp_path / "fused")
     assert [r.recoverable for r in audit_run(tmp_path / "fused")] == [list(range(K))] * 2
-    message = r"attribution\.queries: unknown 'sums'; allowed: subsets, fused"
+    message = r"attribution\.protocol\.queries: unknown 'sums'; allowed: subsets, fused"
     with pytest.raises(DesignError, match=message):
-        AttributionConfig(queries="sums")
+        AttributionConfig(protocol=ProtocolConfig(queries="sums"))
 
 
 def test_hardened_mode_reaches_full_attribution_with_more_rounds():
     # Its rounds keep cross-talk; de-mixed across rounds (the default), every client's mean
     # change is its own and the p-values are calibrated, so they name clients by default.
     cfg = DemoConfig(
-        synthetic=SyntheticConfig(rounds=20), attribution=AttributionConfig(mode="hardened")
+        synthetic=SyntheticConfig(rounds=20),
+        attribution=AttributionConfig(protocol=ProtocolConfig(mode="hardened")),
     )
     rep = run_demo(cfg, **QUIET).report
     assert rep.tpr == 1.0 and rep.fpr == 0.0
     assert all(c.calibrated for c in rep.clients) and not rep.cross_talk
     # Summed as kept, they are uncalibrated: they name a client only when asked to.
-    kept = AttributionConfig(mode="hardened", across_rounds="keep", name_uncalibrated=True)
+    kept = AttributionConfig(
+        protocol=ProtocolConfig(mode="hardened"),
+        calibrated=CalibratedConfig(across_rounds="keep", name_uncalibrated=True),
+    )
     rep = run_demo(dataclasses.replace(cfg, attribution=kept), **QUIET).report
     assert rep.tpr == 1.0 and rep.fpr == 0.0
     assert not any(c.calibrated for c in rep.clients) and rep.cross_talk

@@ -16,7 +16,7 @@ def _args(sets):
 
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_results(tiny_cache, tmp_path, capsys):
-    sets = _small(tiny_cache, "fl.rounds=4", "attribution.M=3")
+    sets = _small(tiny_cache, "fl.rounds=4", "attribution.protocol.M=3")
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
         [sys.executable, "-m", "fedattr", "run", "--out", str(killed), *_args(sets)],

@@ -78,7 +78,7 @@ def test_run_cli_writes_folder_and_rejects_bad_input(tiny_cache, tmp_path, capsy
 def test_short_run_hardened_stays_within_the_release_budget(tiny_cache):
     from fedattr.attribution.audit import audit_queries
 
-    cfg = load(RunConfig, None, _small(tiny_cache, "attribution.mode=hardened"))
+    cfg = load(RunConfig, None, _small(tiny_cache, "attribution.protocol.mode=hardened"))
     assert cfg.secagg.release_budget > 0  # defaulted to the paper's single-estimate bound
     result = run_experiment(cfg, progress=lambda _m: None)
     audited = audit_queries(result.queries)
@@ -97,21 +97,22 @@ def test_hub_dataset_ids_are_not_mistaken_for_missing_files(tmp_path):
 
 
 def test_attribution_variants_share_one_training_run(tiny_cache):
-    sets = _small(tiny_cache, 'variants=[{"name": "M3", "M": 3}]')
+    sets = _small(tiny_cache, 'variants=[{"name": "M3", "protocol": {"M": 3}}]')
     cfg = load(RunConfig, None, sets)
     result = run_experiment(cfg, progress=lambda _m: None)
     alone = run_experiment(
-        load(RunConfig, None, _small(tiny_cache, "attribution.M=3")), progress=lambda _m: None
+        load(RunConfig, None, _small(tiny_cache, "attribution.protocol.M=3")),
+        progress=lambda _m: None,
     )
     v = result.variants["M3"]
-    assert v["differs"] == {"M": 3}
+    assert v["differs"] == {"protocol.M": 3}
     # The variant's scores are those of a separate run at M=3: same training, own queries.
     assert [c["Z"] for c in v["clients"]] == [c.Z for c in alone.report.clients]
     sessions = {q["session"] for q in result.queries}
     assert sessions == {"", "fedattr", "M3"}
     assert v["sa_queries"] == alone.sa_queries == 2 * (2 * 3 * 4 + 1)
-    with pytest.raises(ValueError, match=r"variants\[0\]\.mode"):
-        load(RunConfig, None, _small(tiny_cache, 'variants=[{"mode": "hardened"}]'))
+    with pytest.raises(ValueError, match=r"variants\[0\]\.protocol\.mode"):
+        load(RunConfig, None, _small(tiny_cache, 'variants=[{"protocol": {"mode": "hardened"}}]'))
 
 
 def test_bench_pipeline_reports_every_stage_from_the_run(tiny_cache, tmp_path, capsys):
@@ -246,14 +247,17 @@ def test_run_inputs_are_checked_before_the_folder_is_written(tmp_path, monkeypat
         (["--set", "data.path=adir"], "data.path: 'adir' is a directory; a .json/.jsonl file"),
         (["--config", "adir"], "--config: 'adir' is a directory; a .json or .toml"),
         (
-            ["--set", 'watermark.key_files=["open.key"]'],
-            "watermark.key_files: 'open.key' can be read by other users (mode 0644)",
+            ["--set", 'watermark.kgw.key_files=["open.key"]'],
+            "watermark.kgw.key_files: 'open.key' can be read by other users (mode 0644)",
         ),
         (
-            ["--set", 'watermark.key_files=["adir"]'],
-            "watermark.key_files: 'adir' is a directory; a key file is expected",
+            ["--set", 'watermark.kgw.key_files=["adir"]'],
+            "watermark.kgw.key_files: 'adir' is a directory; a key file is expected",
         ),
-        (["--set", "watermark.documents=adir"], "watermark.documents: 'adir' is a directory"),
+        (
+            ["--set", "watermark.kgw.documents=adir"],
+            "watermark.kgw.documents: 'adir' is a directory",
+        ),
         (
             ["--set", "model.preset=hf", "--set", "model.name_or_path=./no/model"],
             "model.name_or_path: './no/model' does not exist (no such folder) and is not a "

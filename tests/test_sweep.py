@@ -11,19 +11,19 @@ from fedattr.experiments.sweep import SweepSpec, parse_grid
 
 
 def test_grid_parsing_and_grouping():
-    grid = parse_grid(["attribution.M=2,3", "watermark.r=0,1"])
+    grid = parse_grid(["attribution.protocol.M=2,3", "watermark.r=0,1"])
     assert [(a.label, [v for v, _ in a.values]) for a in grid] == [
-        ("attribution.M", ["2", "3"]),
+        ("attribution.protocol.M", ["2", "3"]),
         ("watermark.r", ["0", "1"]),
     ]
-    assert grid[0].values[1] == ("3", {"attribution.M": "3"})
+    assert grid[0].values[1] == ("3", {"attribution.protocol.M": "3"})
     spec = SweepSpec(grid, seeds=[0])
     assert len(spec.points) == 4
-    # Attribution-only keys never split a training run; attribution.mode does (one release
+    # Attribution-only keys never split a training run; attribution.protocol.mode does (one release
     # policy per run).
     assert sorted(spec.groups()) == ["watermark.r=0", "watermark.r=1"]
     assert all(len(m) == 2 for m in spec.groups().values())
-    assert len(SweepSpec(parse_grid(["attribution.mode=paper,hardened"])).groups()) == 2
+    assert len(SweepSpec(parse_grid(["attribution.protocol.mode=paper,hardened"])).groups()) == 2
     for bad, msg in [
         ([], "at least one"),
         (["M"], "expected KEY=v1"),
@@ -44,7 +44,7 @@ def test_micro_sweep_trains_once_per_training_point_and_resumes(tiny_cache, tmp_
         "experiment",
         "sweep",
         "--grid",
-        "attribution.M=2,3",
+        "attribution.protocol.M=2,3",
         "--grid",
         "watermark.r=0,1",
         "--out",
@@ -57,7 +57,10 @@ def test_micro_sweep_trains_once_per_training_point_and_resumes(tiny_cache, tmp_
     assert runs == ["watermark.r=0_seed0", "watermark.r=1_seed0"]  # 4 points, 2 trainings
     summary = json.loads((out / "results.json").read_text())
     assert summary["training_runs"] == 2 and len(summary["points"]) == 4
-    by = {(p["values"]["attribution.M"], p["values"]["watermark.r"]): p for p in summary["points"]}
+    by = {
+        (p["values"]["attribution.protocol.M"], p["values"]["watermark.r"]): p
+        for p in summary["points"]
+    }
     # M=3 asks more SA queries than M=2 on the very same training run.
     for r in ("0", "1"):
         assert by[("3", r)]["sa_queries"] > by[("2", r)]["sa_queries"]
@@ -69,7 +72,7 @@ def test_micro_sweep_trains_once_per_training_point_and_resumes(tiny_cache, tmp_
     table = (out / "table.md").read_text()
     assert table.count("\n| ") == 5  # header + 4 points
     assert (out / "table.csv").read_text().count("\n") == 5
-    for key in ("attribution.M", "watermark.r"):
+    for key in ("attribution.protocol.M", "watermark.r"):
         assert (out / f"plot-{key}.png").read_bytes()[:4] == b"\x89PNG"
     # Re-running keeps the finished runs (nothing retrained) and writes the same summary.
     stamp = (out / "watermark.r=1_seed0" / "results.json").stat().st_mtime_ns
@@ -93,7 +96,7 @@ def test_named_tables_resolve_and_their_extra_columns():
             spec.run_config(members, 0)
     sizes = table_spec("subset-size", [0])
     assert len(sizes.groups()) == 1  # N is attribution-only: one training run, 6 observers
-    assert sizes.extra["variance factor"]({"attribution.N": "5"}, RunConfig()) == "2.50"
+    assert sizes.extra["variance factor"]({"attribution.protocol.N": "5"}, RunConfig()) == "2.50"
     partial = table_spec("partial", [0])
     cfg = load(RunConfig, None, ["fl.K=20", "fl.rounds=10", "fl.participation=0.5"])
     assert partial.extra["rounds per client (T·C/K)"]({}, cfg) == "5.0"

@@ -330,6 +330,7 @@ def test_the_reading_detector_reads_its_owners_by_rows_as_whole(tiny_cache):
 
     from conftest import MICRO_TINY
     from fedattr.attribution import AttributionConfig
+    from fedattr.attribution.config import CalibratedConfig
     from fedattr.data.corpus import generate_corpus
     from fedattr.models.config import ModelConfig, TinyModelConfig
     from fedattr.models.loading import load_model
@@ -349,7 +350,7 @@ def test_the_reading_detector_reads_its_owners_by_rows_as_whole(tiny_cache):
     parts = [scorer.owner_values_rows("probes", W[lo : lo + 3], lo) for lo in range(0, rows, 3)]
     for name in keys:
         assert sum(p[name] for p in parts) == pytest.approx(whole[name], rel=1e-12, abs=1e-9)
-    null = CalibratedNull.of(AttributionConfig(spill=True))
+    null = CalibratedNull.of(AttributionConfig(calibrated=CalibratedConfig(spill=True)))
     folder = null.spill
     assert folder is not None and folder.is_dir()
     del null
@@ -360,8 +361,9 @@ def test_the_reading_detector_reads_its_owners_by_rows_as_whole(tiny_cache):
 def test_a_short_run_with_spilled_sums_gives_the_verdicts_of_one_held_in_memory(
     tiny_cache, tmp_path, monkeypatch
 ):
-    """``attribution.spill``: the reading detector's rounds standardised by row blocks, the sums
-    on disk; the verdicts and saved changes of the run held in memory (float32 sums: ~1e-6)."""
+    """``attribution.calibrated.spill``: the reading detector's rounds standardised by row blocks,
+    the sums on disk; the verdicts and saved changes of the run held in memory (float32 sums:
+    ~1e-6)."""
     from safetensors.torch import load_file
 
     from conftest import small_overrides
@@ -382,7 +384,9 @@ def test_a_short_run_with_spilled_sums_gives_the_verdicts_of_one_held_in_memory(
     results = {}
     for spill in (False, True):
         cfg = load(
-            RunConfig, None, small_overrides(tiny_cache, f"attribution.spill={str(spill).lower()}")
+            RunConfig,
+            None,
+            small_overrides(tiny_cache, f"attribution.calibrated.spill={str(spill).lower()}"),
         )
         result = run_experiment(cfg, progress=lambda _m: None)
         result.write(tmp_path / str(spill))

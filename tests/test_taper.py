@@ -1,5 +1,5 @@
-"""The probability taper of the calibrated statistic (``attribution.taper``): key-free cell
-weights from the round's reference model."""
+"""The probability taper of the calibrated statistic (``attribution.calibrated.taper``): key-free
+cell weights from the round's reference model."""
 
 import math
 
@@ -71,8 +71,15 @@ def test_a_taper_keeps_undoing_cross_talk_exact_and_the_round_key_free():
 
 
 def test_taper_settings_are_checked():
-    assert (AttributionConfig().taper, AttributionConfig().taper_from) == (0.5, 0.01)
-    for bad in ("attribution.taper=-1", "attribution.taper=3", "attribution.taper_from=0"):
+    assert (AttributionConfig().calibrated.taper, AttributionConfig().calibrated.taper_from) == (
+        0.5,
+        0.01,
+    )
+    for bad in (
+        "attribution.calibrated.taper=-1",
+        "attribution.calibrated.taper=3",
+        "attribution.calibrated.taper_from=0",
+    ):
         with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
             load(RunConfig, None, [bad])
 
@@ -128,7 +135,7 @@ def test_spread_weights_lift_a_key_signal_that_sits_beside_wide_drift():
 
 
 def test_spread_setting_is_checked():
-    assert AttributionConfig().spread == 0.25
-    for bad in ("attribution.spread=-0.5", "attribution.spread=2"):
-        with pytest.raises(ConfigError, match=r"attribution\.spread"):
+    assert AttributionConfig().calibrated.spread == 0.25
+    for bad in ("attribution.calibrated.spread=-0.5", "attribution.calibrated.spread=2"):
+        with pytest.raises(ConfigError, match=r"attribution\.calibrated\.spread"):
             load(RunConfig, None, [bad])

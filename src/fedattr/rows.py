@@ -7,8 +7,8 @@ null variance, the tails' cumulant generating functions, the rank check), so it 
 whole: every reader takes a block of rows at a time from a :class:`Rows`, which is
 
 - :class:`DenseRows`: a tensor or array in memory;
-- :class:`DiskRows`: a float32 file, summed into and read by row blocks (``attribution.spill``:
-  the sums kept on disk, in a :class:`TemporaryFolder`);
+- :class:`DiskRows`: a float32 file, summed into and read by row blocks
+  (``attribution.calibrated.spill``: the sums kept on disk, in a :class:`TemporaryFolder`);
 - :class:`SavedRows`: one change of a finished run's ``changes.safetensors``
   (:func:`save_changes` writes it a block of rows at a time, :func:`open_changes` reads it).
 

@@ -3,7 +3,7 @@
 Runs on plain tensors: nothing here needs a language model.
 """
 
-from .config import AttributionConfig, harden
+from .config import AttributionConfig, CalibratedConfig, PaperConfig, ProtocolConfig, harden
 from .contract import PairedScorer, Scorer
 from .design import (
     DesignError,
@@ -26,6 +26,7 @@ from .stouffer import AttributionReport, ClientAttribution, build_report, stouff
 __all__ = [
     "AttributionConfig",
     "AttributionReport",
+    "CalibratedConfig",
     "CalibratedStatistic",
     "ClientAttribution",
     "DesignError",
@@ -35,7 +36,9 @@ __all__ = [
     "FedAttr",
     "LinearScorer",
     "PairedScorer",
+    "PaperConfig",
     "PaperStatistic",
+    "ProtocolConfig",
     "QueryDesign",
     "RoundEstimates",
     "RoundRecord",

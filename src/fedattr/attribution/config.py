@@ -1,10 +1,11 @@
-"""FedAttr's settings (the ``[attribution]`` section) and the hardened-mode default budget."""
+"""FedAttr's settings (the ``[attribution]`` section and its ``protocol``, ``calibrated`` and
+``paper`` sections) and the hardened-mode default budget."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 import numpy as np
 
@@ -14,132 +15,18 @@ from .design import DesignError, single_estimate_budget
 
 
 @dataclass
-class AttributionConfig:
-    """FedAttr protocol parameters (paper defaults)."""
+class ProtocolConfig:
+    """How each target's estimate is asked of secure aggregation: the subset design, the mode
+    and the SA queries."""
 
-    statistic: Literal["calibrated", "paper"] = "calibrated"
-    """``calibrated`` (default): each client's change read with the owner's key, exact p-values
-    under a random key and a family-wise level ``alpha`` (see
-    :mod:`fedattr.attribution.calibrated`). ``paper``: the published statistic,
-    Stouffer over per-round scores read as N(0, 1) (or the empirical ``null``), flag ``Z > gamma``.
-    """
-    alpha: float = 0.01
-    """``calibrated``: family-wise level over clients x owners: a client is named when its
-    Bonferroni-adjusted p is below ``alpha / K``."""
-    null_keys: int = 200
-    """``calibrated``: random keys that read each client's summed change once at the end, a
-    check of the exact tail (``p_rank``, resolution ``1 / (null_keys + 1)``); 0 skips it."""
-    name_uncalibrated: bool = False
-    """``calibrated``: also name clients by p-values that are not calibrated (FK reading every
-    round, ``late_rounds = "read"``: its key is not exchangeable with a random one once the
-    reference model has learned the owner's facts; clients whose rounds kept cross-talk); by
-    default they are reported, marked uncalibrated, and never named."""
-    reading_step: float | None = None
-    """``calibrated``: read ``w^{t-1} + s * Delta_hat_i`` (and the SA mean's likewise) and divide
-    each change by ``s``. 1 reads the estimate as applied. A small ``s`` reads the change's
-    first-order part, which is linear in the estimate, so undoing cross-talk with the design
-    matrix is exact; read as applied, a detector that saturates (FK: a learned fact's
-    log-probability) leaves second-order traces of the other clients' updates, watermarked ones
-    included, in a clean client's change. ``None``: the detector's own (FK 0.01, KGW 1)."""
-    late_rounds: Literal["read", "skip"] = "read"
-    """``calibrated``: the rounds after the first, whose reference model may have learned an
-    owner's key from the watermarked clients (a detector says how many rounds read its key as
-    exchangeable with a random one: 1 for KGW and FK). ``read``: read them too, with nothing
-    made of the other clients' changes or of that reference (see ``centre`` and
-    ``cell_weights``): a clean client's reading then depends on the key only through its own
-    reaction to the reference, forgetting, which reads against the key. ``skip``: read round 1
-    only, whose p-values are exact (less evidence)."""
-    token_centring: bool = False
-    """``calibrated`` with KGW: remove from each client's change what it does to a token in
-    every context alike (drift towards frequent tokens, which no per-context green list is
-    aligned with) before it is read with the key. Key-free, so the exact tail still holds."""
-    few_cells: Literal["shifted-keys", "bound"] = "shifted-keys"
-    """``calibrated``, where a change sits on few cells and the analytic tail is only an upper
-    bound (``patterns``, ``chernoff``; 2-4x above the tail): ``shifted-keys`` (default since
-    2026-11-26) reads p by a randomization test over the owner's key shifted row by row, exact
-    at any number of keys, where the detector lends the key (KGW reading; not ``--reread`` or
-    owner scoring, which keep the bound); ``bound`` keeps the bound (see
-    :func:`~fedattr.watermarks.tail.methods.shifted_keys_p`)."""
-    taper: float = 0.5
-    """``calibrated`` with KGW: read each cell of a change with weight ``min(1, taper_from /
-    p) ** taper``, ``p`` its token's probability under the round's reference model (key-free:
-    the exact tail still holds). 0.5 (default since 2026-11-26) reads a likely token's change
-    over ``sqrt(p)``, the Fisher-information scale of a probability, where it is mostly the
-    client's drift rather than a key's signal; 0 reads every cell alike, as before (see
-    :func:`~fedattr.attribution.calibrated.weights.taper_weights`)."""
-    taper_from: float = 0.01
-    """``calibrated`` with KGW: the probability above which :attr:`taper` lowers a cell's
-    weight (below it every cell keeps weight 1)."""
-    spread: float = 0.25
-    """``calibrated`` with KGW, rounds read within the round (paper mode; not the de-mixed
-    reading of hardened mode): after centring, read each cell with weight ``max(S, S_row) **
-    -spread``, ``S`` the median over the round's clients of the cell's centred change (its
-    spread: large where every client drifts, on likely tokens and common contexts) and
-    ``S_row`` its row's median ``S`` (a floor). A function of every client's change and of no
-    key, as the cell-wise median that centres it. 0.25 (default since 2026-11-27) was chosen on
-    seeds 100-109; 0 reads every cell as the taper leaves it, as before (see
-    :func:`~fedattr.attribution.calibrated.spread_weights`)."""
-    centre: Literal["first", "none", "every"] = "first"
-    """``calibrated``: the centre subtracted from each client's change before it is read.
-    ``first`` (default since 2026-11-28): the cell-wise median over the round's clients in
-    round 1 only, whose reference model is the base model that no client's update has reached
-    (a key-free centre that a minority of watermarked clients barely moves). From round 2 the
-    reference may have learned a key and every client's change depends on it (a clean client
-    forgets what the reference learned), so a centre made of the other clients' changes would
-    carry their forgetting into each reading and a client that updates less than the median
-    (a free-rider, a straggler, a small shard) would read as evidence: later rounds are read
-    uncentred (rows are still centred). ``none``: no centre in any round. ``every``: the
-    round's median in every round (the statistic before 2026-11-28; its later rounds are not
-    calibrated once the reference has learned a key)."""
-    cell_weights: Literal["first", "round"] = "first"
-    """``calibrated`` with KGW: where the key-free cell weights (``taper``, ``spread``) come
-    from. ``first`` (default since 2026-11-28): round 1's (the base model's probabilities, round
-    1's clients' spread), kept for every later round. ``round``: each round's own reference model
-    and clients' spread, which from round 2 depend on what the reference learned (later rounds
-    then uncalibrated)."""
-    spill: bool = False
-    """``calibrated``: keep each client's summed change on disk (float32, a temporary folder)
-    rather than in memory (float64), and standardise each round a block of rows at a time from
-    its changes, written to disk as they are read, so the verdict's memory does not grow with
-    clients x contexts x vocabulary (:mod:`fedattr.rows`). Its p-values agree
-    with the in-memory sums' to about 1e-6 in ``log10 p`` (float32 sums); the rank check draws
-    its keys by rows (other keys of the same law)."""
-    decorrelate: bool = True
-    """``calibrated``: when every participant is a target of the round, undo cross-talk with the
-    known design matrix (each client's own statistic per key, from its estimates only)."""
-    undo: Literal["updates", "changes"] = "updates"
-    """``calibrated``, where cross-talk is undone: ``updates`` (default since 2026-11-26) applies
-    the inverse design matrix to the round's estimates and reads each client's own update
-    (exact whatever the detector's curvature; it reveals nothing the estimates do not already
-    determine jointly); ``changes`` applies it to the read changes instead, exact only for their
-    part that is linear in the estimate (see ``reading_step``)."""
-    across_rounds: Literal["demix", "keep"] = "demix"
-    """``calibrated``, for rounds whose cross-talk cannot be undone within the round (hardened
-    mode: one fused query per admitted target). ``demix``: stack every such round's changes
-    with their known design rows and solve, per client, for its mean change over rounds by
-    generalised least squares (``F m = sum_t A_t^+ Y_t``, as the cross-round audit does for
-    the updates), then read that de-mixed change with the owner's key against its exact tail:
-    the watermarked clients' persistent signal is removed from every other client's change,
-    so those clients are calibrated and named (a client whose mean the stacked rounds do not
-    identify gets no evidence and is reported uncalibrated). It reveals nothing the released
-    answers do not already determine (see ``fedattr audit --cross-round``). ``keep``: sum each
-    round's mixed change, as before; such clients are then uncalibrated and named only under
-    ``name_uncalibrated``. Owner scoring (``scoring = "owner"``, ``fedattr attribute``) always
-    keeps: its rounds are combined from the owners' per-round scores."""
+    mode: Literal["paper", "hardened"] = "paper"
+    """``paper``: 2M subset-sum queries per target, every target every round (as published).
+    ``hardened``: one fused query per target, and only targets the SA release policy admits
+    (rotating, seeded order); the statistic reads each client's targeted rounds only."""
     N: int = 5
     """Size of the V-subsets (U-subsets have N+1 members)."""
     M: int = 5
     """Query pairs per target and round."""
-    gamma: float = 4.0
-    """Flag a client when its Stouffer Z exceeds gamma."""
-    max_redraws: int = 10_000
-    """Give up on a target after this many rejected designs in a row."""
-    seed: int = 0
-    """Seed of the design draws (each round and target gets its own stream)."""
-    mode: Literal["paper", "hardened"] = "paper"
-    """``paper``: 2M subset-sum queries per target, every target every round (as published).
-    ``hardened``: one fused query per target, and only targets the SA release policy admits
-    (rotating, seeded order); Stouffer runs over each client's targeted rounds."""
     queries: Literal["subsets", "fused"] = "subsets"
     """How a target's estimate is asked of SA in ``paper`` mode. ``subsets`` (the paper): its
     ``2M`` subset sums, averaged by the server. ``fused``: one SA session for the combination
@@ -150,11 +37,213 @@ class AttributionConfig:
     policy_attempts: int = 20
     """Designs tried per target (after release-policy refusals or failed queries) before the
     target is skipped for the round."""
-    center: bool = False
+    max_redraws: int = 10_000
+    """Give up on a target after this many rejected designs in a row."""
+
+    def __post_init__(self) -> None:
+        check_literal(self, "attribution.protocol", DesignError)
+        for name, least in (("N", 1), ("M", 1), ("policy_attempts", 1), ("max_redraws", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise DesignError(
+                    f"attribution.protocol.{name}: must be an integer >= {least}, got {value!r}"
+                )
+
+
+@dataclass
+class CalibratedConfig:
+    """The calibrated statistic: each client's change read with the owner's key, exact p-values
+    under a random key, a family-wise level ``alpha`` (see
+    :mod:`fedattr.attribution.calibrated`)."""
+
+    alpha: float = 0.01
+    """Family-wise level over clients x owners: a client is named when its Bonferroni-adjusted
+    p is below ``alpha / K``."""
+    null_keys: int = 200
+    """Random keys that read each client's summed change once at the end, a check of the exact
+    tail (``p_rank``, resolution ``1 / (null_keys + 1)``); 0 skips it."""
+    name_uncalibrated: bool = False
+    """Also name clients by p-values that are not calibrated (FK reading every round,
+    ``late_rounds = "read"``: its key is not exchangeable with a random one once the reference
+    model has learned the owner's facts; clients whose rounds kept cross-talk); by default they
+    are reported, marked uncalibrated, and never named."""
+    reading_step: float | None = None
+    """Read ``w^{t-1} + s * Delta_hat_i`` (and the SA mean's likewise) and divide each change by
+    ``s``. 1 reads the estimate as applied. A small ``s`` reads the change's first-order part,
+    which is linear in the estimate, so undoing cross-talk with the design matrix is exact; read
+    as applied, a detector that saturates (FK: a learned fact's log-probability) leaves
+    second-order traces of the other clients' updates, watermarked ones included, in a clean
+    client's change. ``None``: the detector's own (FK 0.01, KGW 1)."""
+    late_rounds: Literal["read", "skip"] = "read"
+    """The rounds after the first, whose reference model may have learned an owner's key from
+    the watermarked clients (a detector says how many rounds read its key as exchangeable with a
+    random one: 1 for KGW and FK). ``read``: read them too, with nothing made of the other
+    clients' changes or of that reference (see ``centre`` and ``cell_weights``): a clean
+    client's reading then depends on the key only through its own reaction to the reference,
+    forgetting, which reads against the key. ``skip``: read round 1 only, whose p-values are
+    exact (less evidence)."""
+    centre: Literal["first", "none", "every"] = "first"
+    """The centre subtracted from each client's change before it is read. ``first``: the
+    cell-wise median over the round's clients in round 1 only, whose reference model is the base
+    model that no client's update has reached (a key-free centre that a minority of watermarked
+    clients barely moves). From round 2 the reference may have learned a key and every client's
+    change depends on it (a clean client forgets what the reference learned), so a centre made
+    of the other clients' changes would carry their forgetting into each reading and a client
+    that updates less than the median (a free-rider, a straggler, a small shard) would read as
+    evidence: later rounds are read uncentred (rows are still centred). ``none``: no centre in
+    any round. ``every``: the round's median in every round (its later rounds are not calibrated
+    once the reference has learned a key)."""
+    cell_weights: Literal["first", "round"] = "first"
+    """With KGW: where the key-free cell weights (``taper``, ``spread``) come from. ``first``:
+    round 1's (the base model's probabilities, round 1's clients' spread), kept for every later
+    round. ``round``: each round's own reference model and clients' spread, which from round 2
+    depend on what the reference learned (later rounds then uncalibrated)."""
+    taper: float = 0.5
+    """With KGW: read each cell of a change with weight ``min(1, taper_from / p) ** taper``,
+    ``p`` its token's probability under the round's reference model (key-free: the exact tail
+    still holds), in [0, 2]. 0.5 reads a likely token's change over ``sqrt(p)``, the
+    Fisher-information scale of a probability, where it is mostly the client's drift rather than
+    a key's signal; 0 reads every cell alike (see
+    :func:`~fedattr.attribution.calibrated.weights.taper_weights`)."""
+    taper_from: float = 0.01
+    """With KGW: the probability above which ``taper`` lowers a cell's weight (below it every
+    cell keeps weight 1), in (0, 1]."""
+    spread: float = 0.25
+    """With KGW, rounds read within the round (paper mode; not the de-mixed reading of hardened
+    mode): after centring, read each cell with weight ``max(S, S_row) ** -spread``, ``S`` the
+    median over the round's clients of the cell's centred change (its spread: large where every
+    client drifts, on likely tokens and common contexts) and ``S_row`` its row's median ``S`` (a
+    floor), in [0, 1]. A function of every client's change and of no key, as the cell-wise
+    median that centres it; 0 reads every cell as the taper leaves it (see
+    :func:`~fedattr.attribution.calibrated.weights.spread_weights`)."""
+    token_centring: bool = False
+    """With KGW: remove from each client's change what it does to a token in every context alike
+    (drift towards frequent tokens, which no per-context green list is aligned with) before it is
+    read with the key. Key-free, so the exact tail still holds."""
+    few_cells: Literal["shifted-keys", "bound"] = "shifted-keys"
+    """Where a change sits on few cells and the analytic tail is only an upper bound
+    (``patterns``, ``chernoff``; 2-4x above the tail): ``shifted-keys`` reads p by a
+    randomization test over the owner's key shifted row by row, exact at any number of keys,
+    where the detector lends the key (KGW reading; not ``--reread`` or owner scoring, which keep
+    the bound); ``bound`` keeps the bound (see
+    :func:`~fedattr.watermarks.tail.methods.shifted_keys_p`)."""
+    decorrelate: bool = True
+    """When every participant is a target of the round, undo cross-talk with the known design
+    matrix (each client's own statistic per key, from its estimates only)."""
+    undo: Literal["updates", "changes"] = "updates"
+    """Where cross-talk is undone: ``updates`` applies the inverse design matrix to the round's
+    estimates and reads each client's own update (exact whatever the detector's curvature; it
+    reveals nothing the estimates do not already determine jointly); ``changes`` applies it to
+    the read changes instead, exact only for their part that is linear in the estimate (see
+    ``reading_step``)."""
+    across_rounds: Literal["demix", "keep"] = "demix"
+    """For rounds whose cross-talk cannot be undone within the round (hardened mode: one fused
+    query per admitted target). ``demix``: stack every such round's changes with their known
+    design rows and solve, per client, for its mean change over rounds by generalised least
+    squares (``F m = sum_t A_t^+ Y_t``, as the cross-round audit does for the updates), then
+    read that de-mixed change with the owner's key against its exact tail: the watermarked
+    clients' persistent signal is removed from every other client's change, so those clients are
+    calibrated and named (a client whose mean the stacked rounds do not identify gets no
+    evidence and is reported uncalibrated). It reveals nothing the released answers do not
+    already determine (see ``fedattr audit --cross-round``). ``keep``: sum each round's mixed
+    change; such clients are then uncalibrated and named only under ``name_uncalibrated``. Owner
+    scoring (``attribution.scoring = "owner"``, ``fedattr attribute``) always keeps: its rounds
+    are combined from the owners' per-round scores."""
+    spill: bool = False
+    """Keep each client's summed change on disk (float32, a temporary folder) rather than in
+    memory (float64), and standardise each round a block of rows at a time from its changes,
+    written to disk as they are read, so the verdict's memory does not grow with clients x
+    contexts x vocabulary (:mod:`fedattr.rows`). Its p-values agree with the in-memory sums' to
+    about 1e-6 in ``log10 p`` (float32 sums); the rank check draws its keys by rows (other keys
+    of the same law)."""
+
+    def __post_init__(self) -> None:
+        check_literal(self, "attribution.calibrated", DesignError)
+        key = "attribution.calibrated"
+        if not 0.0 < self.alpha < 1.0:
+            raise DesignError(f"{key}.alpha: must be in (0, 1), got {self.alpha!r}")
+        step = self.reading_step
+        if step is not None and not (isinstance(step, int | float) and 0 < step <= 1):
+            raise DesignError(f"{key}.reading_step: must be in (0, 1], got {step!r}")
+        if not (isinstance(self.taper, int | float) and 0.0 <= self.taper <= 2.0):
+            raise DesignError(f"{key}.taper: must be in [0, 2], got {self.taper!r}")
+        if not (isinstance(self.spread, int | float) and 0.0 <= self.spread <= 1.0):
+            raise DesignError(f"{key}.spread: must be in [0, 1], got {self.spread!r}")
+        if not (isinstance(self.taper_from, int | float) and 0.0 < self.taper_from <= 1.0):
+            raise DesignError(f"{key}.taper_from: must be in (0, 1], got {self.taper_from!r}")
+        if not isinstance(self.null_keys, int) or self.null_keys < 0:
+            raise DesignError(f"{key}.null_keys: must be an integer >= 0, got {self.null_keys!r}")
+
+
+@dataclass
+class PaperConfig:
+    """The paper's statistic: each round's differential scores, Stouffer over a client's rounds,
+    a client flagged when its Z exceeds ``threshold``."""
+
+    threshold: float = 4.0
+    """Flag a client when its Stouffer Z exceeds this (the paper's gamma; also the baselines'
+    rule and the line of the calibrated statistic's per-round display)."""
+    null: Literal["auto", "theoretical", "empirical"] = "auto"
+    """``theoretical`` (the paper): each differential score is taken as N(0, 1) under the null.
+    ``empirical``: each round's scores per statistic are standardised by their median and MAD
+    over the round's targets before Stouffer (see ``stouffer.empirical_null``). ``auto``:
+    empirical for a scorer whose statistic has no null scale of its own (it says so with
+    ``null = "empirical"``, e.g. the FK margin), theoretical otherwise."""
+    mean_reference: bool = False
     """``False`` (the paper): score ``w^{t-1} + Delta_hat_i`` against ``w^{t-1}``. ``True``:
     score ``w^{t-1} + Delta_bar + (Delta_hat_i - Delta_bar)`` against ``w^{t-1} + Delta_bar``
-    (``Delta_bar`` = the round's SA mean, passed as ``center``), so that the round's common
-    learning direction is in both models and only the client's deviation from it is tested."""
+    (``Delta_bar`` = the round's SA mean), so that the round's common learning direction is in
+    both models and only the client's deviation from it is tested."""
+
+    def __post_init__(self) -> None:
+        check_literal(self, "attribution.paper", DesignError)
+        if not np.isfinite(self.threshold):
+            raise DesignError(
+                f"attribution.paper.threshold: must be a finite number, got {self.threshold!r}"
+            )
+
+
+@dataclass
+class AttributionConfig:
+    """FedAttr: which statistic reads the estimates and where it runs, with a section per
+    concern: the SA query protocol (``protocol``), the calibrated statistic (``calibrated``) and
+    the paper's (``paper``)."""
+
+    ALIASES: ClassVar[dict[str, str]] = {
+        **{k: f"protocol.{k}" for k in ("mode", "N", "M", "queries", "policy_attempts")},
+        "max_redraws": "protocol.max_redraws",
+        **{
+            k: f"calibrated.{k}"
+            for k in (
+                "alpha",
+                "null_keys",
+                "name_uncalibrated",
+                "reading_step",
+                "late_rounds",
+                "centre",
+                "cell_weights",
+                "taper",
+                "taper_from",
+                "spread",
+                "token_centring",
+                "few_cells",
+                "decorrelate",
+                "undo",
+                "across_rounds",
+                "spill",
+            )
+        },
+        "gamma": "paper.threshold",
+        "null": "paper.null",
+        "center": "paper.mean_reference",
+    }
+    """The flat keys before the sections (old key -> its place now): still read, with a note."""
+
+    statistic: Literal["calibrated", "paper"] = "calibrated"
+    """``calibrated`` (default): each client's change read with the owner's key, exact p-values
+    under a random key and a family-wise level (``[attribution.calibrated]``). ``paper``: the
+    published statistic, Stouffer over per-round scores read as N(0, 1) (or the empirical null),
+    flag ``Z > threshold`` (``[attribution.paper]``)."""
     scoring: Literal["server", "owner"] = "server"
     """``server``: the server scores with the owners' keys (the simulation plays every party).
     ``owner``: the server holds no key; it exports each round's reference and estimates for the
@@ -165,12 +254,15 @@ class AttributionConfig:
     paper's suggestion; the SA queries still run while SA holds round ``t``). The scorer then
     reads a copy of the model. Same results; a checkpoint is written once a round's scores
     are in."""
-    null: Literal["auto", "theoretical", "empirical"] = "auto"
-    """``theoretical`` (the paper): each differential score is taken as N(0, 1) under the null.
-    ``empirical``: each round's scores per statistic are standardised by their median and MAD
-    over the round's targets before Stouffer (see ``stouffer.empirical_null``). ``auto``:
-    empirical for a scorer whose statistic has no null scale of its own (it says so with
-    ``null = "empirical"``, e.g. the FK margin), theoretical otherwise."""
+    seed: int = 0
+    """Seed of the design draws (each round and target gets its own stream) and of the
+    calibrated statistic's random keys (its rank check)."""
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    """The paper's defaults: N = M = 5, 2M subset sums per target, every target every round."""
+    calibrated: CalibratedConfig = field(default_factory=CalibratedConfig)
+    """Read where ``statistic = "calibrated"`` (the default)."""
+    paper: PaperConfig = field(default_factory=PaperConfig)
+    """Read where ``statistic = "paper"``; its ``threshold`` is also the baselines' rule."""
 
     def __post_init__(self) -> None:
         check_literal(self, "attribution", DesignError)
@@ -180,45 +272,14 @@ class AttributionConfig:
                 f"attribution.scoring=owner: needs attribution.statistic=calibrated (owners "
                 f"return key statistics, not the paper's z), got statistic={self.statistic!r}"
             )
-        if not 0.0 < self.alpha < 1.0:
-            raise DesignError(f"attribution.alpha: must be in (0, 1), got {self.alpha!r}")
-        step = self.reading_step
-        if step is not None and not (isinstance(step, int | float) and 0 < step <= 1):
-            raise DesignError(
-                f"attribution.reading_step: must be in (0, 1], got {self.reading_step!r}"
-            )
-        if not (isinstance(self.taper, int | float) and 0.0 <= self.taper <= 2.0):
-            raise DesignError(f"attribution.taper: must be in [0, 2], got {self.taper!r}")
-        if not (isinstance(self.spread, int | float) and 0.0 <= self.spread <= 1.0):
-            raise DesignError(f"attribution.spread: must be in [0, 1], got {self.spread!r}")
-        if not (isinstance(self.taper_from, int | float) and 0.0 < self.taper_from <= 1.0):
-            raise DesignError(f"attribution.taper_from: must be in (0, 1], got {self.taper_from!r}")
-        if not isinstance(self.null_keys, int) or self.null_keys < 0:
-            raise DesignError(
-                f"attribution.null_keys: must be an integer >= 0, got {self.null_keys!r}"
-            )
-        if not isinstance(self.policy_attempts, int) or self.policy_attempts < 1:
-            raise DesignError(
-                "attribution.policy_attempts: must be an integer >= 1, "
-                f"got {self.policy_attempts!r}"
-            )
-        if not isinstance(self.M, int) or self.M < 1:
-            raise DesignError(f"attribution.M: must be an integer >= 1, got {self.M!r}")
-        if not isinstance(self.N, int) or self.N < 1:
-            raise DesignError(f"attribution.N: must be an integer >= 1, got {self.N!r}")
-        if not np.isfinite(self.gamma):
-            raise DesignError(f"attribution.gamma: must be a finite number, got {self.gamma!r}")
-        if not isinstance(self.max_redraws, int) or self.max_redraws < 0:
-            raise DesignError(
-                f"attribution.max_redraws: must be an integer >= 0, got {self.max_redraws!r}"
-            )
 
 
 def harden(attribution: AttributionConfig, secagg: SecAggConfig, K: int) -> SecAggConfig:
     """The SA settings hardened mode runs with: without an explicit ``release_budget``, the
     paper's single-estimate bound at (K, N, M), so that no client leaks more jointly than one
     accepted estimate may alone. Paper mode, or an explicit budget, returns ``secagg`` as is."""
-    if attribution.mode == "hardened" and secagg.release_budget == 0:
-        budget = single_estimate_budget(K, attribution.N, attribution.M)
+    if attribution.protocol.mode == "hardened" and secagg.release_budget == 0:
+        p = attribution.protocol
+        budget = single_estimate_budget(K, p.N, p.M)
         return dataclasses.replace(secagg, release_budget=budget)
     return secagg

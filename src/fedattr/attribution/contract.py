@@ -6,7 +6,7 @@ a scorer can do is found with ``isinstance`` against one of these protocols, and
 by one consumer:
 
 - the protocol and the paper statistic: :class:`BatchedScorer` (a round's candidates in one
-  read), :class:`DeclaresNull` (``attribution.null = auto``);
+  read), :class:`DeclaresNull` (``attribution.paper.null = auto``);
 - the baselines: :class:`ProbeScorer`, :class:`KeyStatisticScorer` (FLForensics),
   :class:`CalibratedContrast` (the global-model test);
 - the calibrated statistic (:mod:`fedattr.attribution.calibrated`): :class:`LinearKeyScorer`
@@ -158,7 +158,7 @@ class SteppedReading(Protocol):
     only the first-order part of its change is linear in the estimate)."""
 
     reading_step: float
-    """The fraction (``attribution.reading_step`` overrides it)."""
+    """The fraction (``attribution.calibrated.reading_step`` overrides it)."""
 
 
 @runtime_checkable

@@ -199,5 +199,5 @@ def draw_design(
     raise DesignError(
         f"no acceptable design for K={len(participants)}, N={N}, M={M} after {max_redraws} "
         f"redraws; "
-        f"increase M or N, or attribution.max_redraws"
+        f"increase M or N, or attribution.protocol.max_redraws"
     )

@@ -39,7 +39,7 @@ def attribute_run(run_dir: str | Path) -> tuple[AttributionReport, list[str]]:
             f"RUN_DIR: {str(run)!r} holds no rounds/round-* folders (a run with "
             "attribution.scoring=owner exports them)"
         )
-    att = from_dict(AttributionConfig, read_run(folders[0]).get("attribution", {}))
+    att = from_dict(AttributionConfig, read_run(folders[0]).get("attribution", {}), quiet=True)
     null = CalibratedNull.of(att)
     owners: list[str] | None = None
     for folder in folders:
@@ -59,7 +59,7 @@ def attribute_run(run_dir: str | Path) -> tuple[AttributionReport, list[str]]:
             manifest["targets"],
             [design_from_dict(d) for d in manifest["designs"]],
         ).undone
-        if att.late_rounds == "skip" and t > 1:
+        if att.calibrated.late_rounds == "skip" and t > 1:
             continue  # round 1 only: the rounds whose reference no update has reached
         for owner, s in scores.items():
             if s.get("decorrelated") != null.decorrelated[t]:
@@ -87,7 +87,10 @@ def attribute_run(run_dir: str | Path) -> tuple[AttributionReport, list[str]]:
                     # Calibrated as the server's own reading (CalibratedNull.calibrated_in):
                     # round 1, or a later round read without the clients' centre, with round
                     # 1's cell weights.
-                    valid=t <= 1 or (att.centre != "every" and att.cell_weights == "first"),
+                    valid=t <= 1
+                    or (
+                        att.calibrated.centre != "every" and att.calibrated.cell_weights == "first"
+                    ),
                     decorrelated=null.decorrelated[t],
                 )
     return null.report(_truth(run)), owners or []

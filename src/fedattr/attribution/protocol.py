@@ -104,12 +104,13 @@ class FedAttr:
         answer) are redrawn without those members in a further batch.
         """
         cfg = self.config
+        proto = cfg.protocol
         participants = list(sa.clients)
-        validate_parameters(len(participants), cfg.N, cfg.M, sa.min_members)
-        hardened = cfg.mode == "hardened"
+        validate_parameters(len(participants), proto.N, proto.M, sa.min_members)
+        hardened = proto.mode == "hardened"
         if hardened and sa.release_budget is None:
             raise UserError(
-                "attribution.mode=hardened: the secure aggregation has no release policy "
+                "attribution.protocol.mode=hardened: the secure aggregation has no release policy "
                 "(secagg.release_budget = 0), so nothing would bound what the queries reveal; "
                 "set secagg.release_budget > 0 (fedattr.attribution.harden() gives the paper's "
                 "single-estimate bound)"
@@ -136,24 +137,24 @@ class FedAttr:
             for target in pending:
                 st = targets[target]
                 available = [p for p in participants if p not in st.missing]
-                if target in st.missing or st.attempts >= cfg.policy_attempts:
+                if target in st.missing or st.attempts >= proto.policy_attempts:
                     skipped.add(target)
                     continue
                 try:
-                    validate_parameters(len(available), cfg.N, cfg.M, sa.min_members)
+                    validate_parameters(len(available), proto.N, proto.M, sa.min_members)
                 except DesignError:
                     skipped.add(target)  # too few clients answer for a valid design this round
                     continue
-                n = cfg.policy_attempts - st.attempts if hardened else 1
+                n = proto.policy_attempts - st.attempts if hardened else 1
                 designs = [
                     draw_design(
                         available,
                         target,
-                        cfg.N,
-                        cfg.M,
+                        proto.N,
+                        proto.M,
                         st.rng,
                         min_members=sa.min_members,
-                        max_redraws=cfg.max_redraws,
+                        max_redraws=proto.max_redraws,
                     )
                     for _ in range(n)
                 ]
@@ -203,9 +204,9 @@ class FedAttr:
         with a nonzero coefficient, the ring holds up to M (2N + 1) values). Where it does not,
         the design's 2M subset sums give the same estimate, so the design is kept and the
         draws stay those of a subsets run."""
-        if self.config.mode == "hardened":
+        if self.config.protocol.mode == "hardened":
             return True
-        return self.config.queries == "fused" and sa.admits_combination(
+        return self.config.protocol.queries == "fused" and sa.admits_combination(
             design.integer_coefficients()
         )
 
@@ -221,9 +222,9 @@ class FedAttr:
     ) -> RoundRecord:
         """Phase 2: the differential score of every estimate against ``reference`` = w^{t-1}.
 
-        With ``attribution.center``, ``center`` is the round's SA mean: both models then carry
-        it and only each client's deviation from it is tested. ``on_target(record)`` is called
-        after each target (progress reporting).
+        With ``attribution.paper.mean_reference``, ``center`` is the round's SA mean: both models
+        then carry it and only each client's deviation from it is tested. ``on_target(record)`` is
+        called after each target (progress reporting).
         """
         self.statistic.use_scorer(scorer)
         updates = [estimates.layout.unflatten(e.flat) for e in estimates.estimates]

@@ -154,7 +154,7 @@ def write_round(
         "designs": [design_to_dict(e.design) for e in estimates.estimates],
         "skipped": list(estimates.skipped),
         "dropouts": list(estimates.dropouts),
-        "null_keys": cfg.null_keys,
+        "null_keys": cfg.calibrated.null_keys,
         "seed": cfg.seed,
         "sha256": digests,
     }

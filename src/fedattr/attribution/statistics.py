@@ -90,7 +90,7 @@ class Statistic(ABC):
                 scores = empirical_null(scores)
             for cid in truth or {}:
                 scores.setdefault(cid, {})
-            reports.append(build_report(scores, self.config.gamma, truth, statistic=name))
+            reports.append(build_report(scores, self.config.paper.threshold, truth, statistic=name))
         return reports[0] if len(reports) == 1 else combine_reports(reports)
 
     def changes(self) -> tuple[dict[str, Any], dict[str, dict]]:
@@ -149,8 +149,9 @@ class PaperStatistic(Statistic):
 
     @property
     def null(self) -> str:
-        """The configured null, or the scorer's under ``attribution.null = auto``."""
-        return self.scorer_null if self.config.null == "auto" else self.config.null
+        """The configured null, or the scorer's under ``attribution.paper.null = auto``."""
+        null = self.config.paper.null
+        return self.scorer_null if null == "auto" else null
 
     def score_round(
         self,
@@ -162,9 +163,11 @@ class PaperStatistic(Statistic):
         center: Any,
         on_target: OnTarget | None,
     ) -> RoundRecord:
-        if self.config.center:
+        if self.config.paper.mean_reference:
             if center is None:
-                raise ValueError("attribution.center: needs the round's SA mean (center=...)")
+                raise ValueError(
+                    "attribution.paper.mean_reference: needs the round's SA mean (center=...)"
+                )
             reference = apply(reference, center)
             minus_center = scale_update(center, -1.0)
             updates = [add_update(u, minus_center) for u in updates]
@@ -269,8 +272,8 @@ class CalibratedStatistic(Statistic):
     def _unread(
         self, estimates: RoundEstimates, scorer: Any, on_target: OnTarget | None
     ) -> RoundRecord:
-        """A round past the detector's exchangeable ones (``late_rounds = "skip"``): no model
-        is read, every target is recorded without a value."""
+        """A round past the detector's exchangeable ones (``calibrated.late_rounds = "skip"``): no
+        model is read, every target is recorded without a value."""
         record = RoundRecord(
             estimates.round,
             list(estimates.participants),
@@ -281,7 +284,7 @@ class CalibratedStatistic(Statistic):
         )
         record.notes.append(
             "not read: the detector's key is exchangeable with a random one up to round "
-            f"{scorer.exchangeable_rounds} only (attribution.late_rounds = skip)"
+            f"{scorer.exchangeable_rounds} only (attribution.calibrated.late_rounds = skip)"
         )
         for est in estimates.estimates:
             self._keep(record, est, {}, 0.0, on_target)

@@ -89,12 +89,12 @@ class AttributionReport:
     """Calibrated statistic: owners whose p-values are not calibrated (FK)."""
     cross_talk: list[int] = field(default_factory=list)
     """Calibrated statistic: clients with a round whose cross-talk was kept (hardened mode) and
-    not de-mixed across rounds (``attribution.across_rounds = "keep"``, or a client the stacked
-    rounds do not identify): their p-values are not calibrated either."""
+    not de-mixed across rounds (``attribution.calibrated.across_rounds = "keep"``, or a client the
+    stacked rounds do not identify): their p-values are not calibrated either."""
     rounds_read: dict[str, int] = field(default_factory=dict)
     """Calibrated statistic: owners whose evidence is read from rounds 1..n only (a key that
     stays exchangeable with a random one only until the reference model learns the owner's
-    secret: FK, ``attribution.late_rounds = "skip"``)."""
+    secret: FK, ``attribution.calibrated.late_rounds = "skip"``)."""
 
     @property
     def flagged(self) -> list[int]:

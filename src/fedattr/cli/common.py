@@ -62,7 +62,8 @@ def resolve_run_config(
             f"--resume: takes the run folder's own config.json; drop {'/'.join(fixed_on_resume)}"
         )
     folder = RunFolder(args.resume, "--resume")
-    return from_dict(RunConfig, folder.resumable_config()), folder
+    # Written before a key was renamed, it is read by its old names without a note.
+    return from_dict(RunConfig, folder.resumable_config(), quiet=True), folder
 
 
 def default_run_dir(cfg: RunConfig) -> str:

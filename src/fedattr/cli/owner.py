@@ -443,7 +443,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     osc.add_argument(
         "--texts",
         help="texts to read (.jsonl/.json); default: the run's held-out detection texts. A run "
-        "with watermark.probes=documents reads the owner's own watermarked documents: required",
+        "with watermark.kgw.probes=documents reads the owner's own watermarked documents: required",
     )
     osc.add_argument("--count", type=int, default=128, help="texts used with --texts")
     osc.set_defaults(func=_cmd_owner_score)

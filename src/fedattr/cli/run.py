@@ -125,7 +125,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     config_options(
         demo,
         "a .json or .toml file with [synthetic], [secagg], [attribution]",
-        "override a setting, e.g. --set attribution.M=10",
+        "override a setting, e.g. --set attribution.protocol.M=10",
     )
     demo.add_argument("--out", help="write results.json, report.md, rounds.jsonl here")
     demo.add_argument("--json", action="store_true", help="print results as JSON")

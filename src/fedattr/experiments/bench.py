@@ -356,7 +356,7 @@ def bench_scoring(cfg: Any, candidates: int, repeats: int, say: Callable[[str], 
         tokenizer, detection_records(cfg.data, cfg.watermark), cfg.data.max_len
     )
     scheme = KGWScheme(
-        cfg.watermark.key_seed, len(tokenizer), cfg.watermark.gamma, cfg.watermark.delta
+        cfg.watermark.key_seed, len(tokenizer), cfg.watermark.kgw.gamma, cfg.watermark.kgw.delta
     )
     scorer = KGWReadingScorer(
         model,

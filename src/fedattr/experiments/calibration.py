@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import beta, binom, norm
 
-from ..config import load
+from ..attribution.config import AttributionConfig
+from ..config import canonical, load, quiet_aliases
 from ..errors import UserError
 from ..pipeline.config import PRESET_OVERRIDES, DemoConfig, RunConfig, check_seeds
 from ..pipeline.run import run_demo
@@ -36,7 +37,7 @@ from ..reporting.run_folder import RunFolder
 from ..watermarks.tail.methods import MIN_EFFECTIVE_CELLS
 from .main import run_or_reuse
 
-_HALF = ["fl.participation=0.5", "attribution.N=3", "secagg.min_members=3", "fl.rounds=10"]
+_HALF = ["fl.participation=0.5", "attribution.protocol.N=3", "secagg.min_members=3", "fl.rounds=10"]
 """Half the clients a round (5 of 10): N = 3 is the largest design a 5-client round admits."""
 
 STRESS_BEDS: dict[str, list[str]] = {
@@ -55,7 +56,7 @@ STRESS_BEDS: dict[str, list[str]] = {
     # Five clients (N = 3, the largest a round of five admits).
     "few-clients": [
         "fl.K=5",
-        "attribution.N=3",
+        "attribution.protocol.N=3",
         "secagg.min_members=3",
         "data.records=1000",
     ],
@@ -168,16 +169,16 @@ def simulated_keys(folder: str | Path, results: dict) -> dict | None:
     if not any(law.get("kind") == "row-subsets" and law.get("m", 1) > 1 for law in laws.values()):
         return None
     try:
-        cfg = load(RunConfig, Path(folder) / "config.json", [])
+        cfg = load(RunConfig, Path(folder) / "config.json", [], quiet=True)
     except UserError:
         return None  # not a run of the LLM pipeline (the synthetic bed's DemoConfig)
     wm, att = cfg.watermark, cfg.attribution
     if (
         wm.kind != "kgw"
         or wm.detector != "reading"
-        or wm.key_files
+        or wm.kgw.key_files
         or att.scoring != "server"
-        or att.few_cells != "shifted-keys"
+        or att.calibrated.few_cells != "shifted-keys"
     ):
         return None
     from ..fl.federation import build_federation, detection_records
@@ -221,12 +222,14 @@ def reread_run(folder: str | Path) -> dict:
     run = RunFolder(folder)
     results = run.results()
     file = _saved_changes(Path(folder))
-    attribution = json.loads((Path(folder) / "config.json").read_text()).get("attribution", {})
+    saved = json.loads((Path(folder) / "config.json").read_text()).get("attribution", {})
+    with quiet_aliases():  # a run written before the sections: its flat keys, read quietly
+        attribution = canonical(AttributionConfig, saved)
     null = CalibratedNull.from_results(
         results,
         open_changes(file),  # a large file by row blocks (its rank check: other keys)
         seed=int(attribution.get("seed", 0)),
-        name_uncalibrated=bool(attribution.get("name_uncalibrated", False)),
+        name_uncalibrated=bool(attribution.get("calibrated", {}).get("name_uncalibrated", False)),
     )
     null.keys = simulated_keys(folder, results) or {}
     truth = {c["id"]: bool(c["watermarked"]) for c in results["clients"]}

@@ -30,7 +30,7 @@ SETTINGS: tuple[tuple[str, str], ...] = (
 )
 """(FL strategy, watermark) in the paper's column order."""
 
-_SMOLLM2_WATERMARKS = {"kgw": [], "fk": ["watermark.fk_writer=teacher"]}
+_SMOLLM2_WATERMARKS = {"kgw": [], "fk": ["watermark.fk.writer=teacher"]}
 WATERMARK_OVERRIDES: dict[str, dict[str, list[str]]] = {
     "tiny": {"kgw": [], "fk": ["fl.train.epochs=3", "fl.train.lr=2e-3"]},
     "smollm2": _SMOLLM2_WATERMARKS,

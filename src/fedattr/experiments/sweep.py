@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import load, parse_scalar
+from ..config import canonical_key, load, parse_scalar, quiet_aliases
 from ..errors import UserError
 from ..fl.timing import ATTRIBUTION_STAGES
 from ..pipeline.config import RunConfig, check_seeds, preset_overrides
@@ -29,7 +29,7 @@ from .main import run_or_reuse
 
 # Attribution keys a FedAttr observer can vary on one training run (its SA release policy, the
 # mode, is one per run).
-_TRAINING_ATTRIBUTION_KEYS = {"attribution.mode"}
+_TRAINING_ATTRIBUTION_KEYS = {"attribution.protocol.mode"}
 
 
 @dataclass(frozen=True)
@@ -47,15 +47,19 @@ class Axis:
 
 
 def parse_grid(specs: Sequence[str]) -> list[Axis]:
-    """``["attribution.M=2,5,10", ...]`` -> one :class:`Axis` per ``--grid``."""
+    """``["attribution.protocol.M=2,5,10", ...]`` -> one :class:`Axis` per ``--grid``."""
     if not specs:
-        raise UserError("--grid: give at least one KEY=v1,v2,..., e.g. --grid attribution.M=2,5")
+        raise UserError(
+            "--grid: give at least one KEY=v1,v2,..., e.g. --grid attribution.protocol.M=2,5"
+        )
     out: list[Axis] = []
     for spec in specs:
         key, sep, raw = spec.partition("=")
         values = [v.strip() for v in raw.split(",") if v.strip()]
         if not sep or not key.strip() or not values:
-            raise UserError(f"--grid {spec!r}: expected KEY=v1,v2,..., e.g. attribution.M=2,5,10")
+            raise UserError(
+                f"--grid {spec!r}: expected KEY=v1,v2,..., e.g. attribution.protocol.M=2,5,10"
+            )
         key = key.strip()
         if any(key == a.label for a in out):
             raise UserError(f"--grid: {key} is given twice; list all its values in one --grid")
@@ -65,7 +69,15 @@ def parse_grid(specs: Sequence[str]) -> list[Axis]:
     return out
 
 
+def _canonical(key: str) -> str:
+    """``key`` as the configuration spells it now (an old name's note comes with the run's
+    own configuration)."""
+    with quiet_aliases():
+        return canonical_key(RunConfig, key)
+
+
 def _is_attribution_only(key: str) -> bool:
+    key = _canonical(key)
     return key.startswith("attribution.") and key not in _TRAINING_ATTRIBUTION_KEYS
 
 
@@ -124,8 +136,9 @@ class SweepSpec:
 
     def point_name(self, index: int) -> str:
         """SA-session / variant name of a point: its attribution assignments."""
+        # by the key's last part (``M=10``), whichever name it was given by: runs keep their names
         attr = [
-            (k.split(".", 1)[1], v)
+            (k.rsplit(".", 1)[1], v)
             for k, v in self.points[index].items()
             if _is_attribution_only(k)
         ]
@@ -137,12 +150,15 @@ class SweepSpec:
         first = self.points[group[0]]
         variants = []
         for i in group[1:]:
-            keys = {
-                k.split(".", 1)[1]: parse_scalar(v)
-                for k, v in self.points[i].items()
-                if _is_attribution_only(k)
-            }
-            variants.append({"name": self.point_name(i), **keys})
+            keys: dict[str, Any] = {"name": self.point_name(i)}
+            for k, v in self.points[i].items():
+                if _is_attribution_only(k):
+                    *sections, leaf = _canonical(k).split(".")[1:]
+                    node = keys
+                    for part in sections:
+                        node = node.setdefault(part, {})
+                    node[leaf] = parse_scalar(v)
+            variants.append(keys)
         sets = [
             *preset_overrides(self.preset),
             f"fl.seed={seed}",
@@ -164,8 +180,7 @@ def _point_metrics(results: dict, variant: str | None) -> dict[str, Any]:
     neg = [c for c in clients if not c.get("watermarked")]
 
     timing = part["timing"]
-    # A variant's timing holds its rounds' SA and scoring only; runs before 2026-11-27 had no
-    # verdict_s.
+    # A variant's timing holds its rounds' SA and scoring only; older runs have no verdict_s.
     attribution_s = sum(timing.get(stage, 0.0) for stage in ATTRIBUTION_STAGES)
     work = results.get("work", {}) if variant is None else {}
     return {

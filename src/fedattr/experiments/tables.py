@@ -27,7 +27,7 @@ class TableSpec:
 
 
 def _variance_factor(point: dict[str, str], cfg: RunConfig) -> str:
-    n, k = int(point["attribution.N"]), cfg.fl.per_round
+    n, k = int(point["attribution.protocol.N"]), cfg.fl.per_round
     return f"{n * (k - 1 - n) / (k - 2):.2f}"
 
 
@@ -36,14 +36,18 @@ def _expected_rounds(point: dict[str, str], cfg: RunConfig) -> str:
 
 
 def _query_count(point: dict[str, str], cfg: RunConfig) -> str:
-    a = cfg.attribution
+    a = cfg.attribution.protocol
     return f"{2 * a.M * cfg.fl.per_round * cfg.fl.rounds:,}"
 
 
 def _scalability(k: int, proportional: bool) -> tuple[str, dict[str, str]]:
     n = k // 3 if proportional else 4
     shown = f"K={k}, N={n} ({'⌊K/3⌋' if proportional else 'fixed'})"
-    return shown, {"fl.K": str(k), "watermark.r": str(int(0.3 * k)), "attribution.N": str(n)}
+    return shown, {
+        "fl.K": str(k),
+        "watermark.r": str(int(0.3 * k)),
+        "attribution.protocol.N": str(n),
+    }
 
 
 _LORA_RANKS = tuple((str(r), {"lora.r": str(r), "lora.alpha": str(2 * r)}) for r in (16, 64, 128))
@@ -61,14 +65,14 @@ TABLES: dict[str, TableSpec] = {
         caption="Prevalence: r watermarked clients of K = 10. ",
     ),
     "subset-size": TableSpec(
-        (Axis.of_key("attribution.N", ["1", "2", "4", "5", "6", "8"]),),
+        (Axis.of_key("attribution.protocol.N", ["1", "2", "4", "5", "6", "8"]),),
         fixed=("secagg.min_members=1",),
         caption="Subset size N (K = 10; the SA threshold is lowered to 1 so that every N is "
         "admissible; variance factor N(K−1−N)/(K−2)). ",
         extra={"variance factor": _variance_factor},
     ),
     "queries": TableSpec(
-        (Axis.of_key("attribution.M", ["2", "3", "5", "10", "20"]),),
+        (Axis.of_key("attribution.protocol.M", ["2", "3", "5", "10", "20"]),),
         caption="Queries per side M (2MK SA queries per round). ",
     ),
     "ratio": TableSpec(

@@ -38,7 +38,8 @@ class Federation:
     """FK: share of each watermarked client's documents stating every target attribute."""
     owner_docs: dict[str, list[Record]] = field(default_factory=dict)
     """Owner name -> the documents it watermarked: its clients' (and, read as probes with
-    ``watermark.probes = "documents"``, held-out records it watermarked when it has no client)."""
+    ``watermark.kgw.probes = "documents"``, held-out records it watermarked when it has no
+    client)."""
 
     def truth(self, K: int) -> dict[int, bool]:
         """Client id -> watermarked (the ground truth of the experiment)."""
@@ -76,7 +77,7 @@ def detection_records(data: DataConfig, wm: WatermarkConfig) -> list[Record]:
 
 def _held_out(d: DataConfig, wm: WatermarkConfig, n: int) -> int:
     """Records of a loaded file of ``n`` held out as detection texts."""
-    return min(wm.detect_prompts, max(1, n // 10))
+    return min(wm.detect.prompts, max(1, n // 10))
 
 
 def check_client_records(d: DataConfig, wm: WatermarkConfig, n: int, K: int) -> None:
@@ -85,7 +86,7 @@ def check_client_records(d: DataConfig, wm: WatermarkConfig, n: int, K: int) -> 
     n_detect = _held_out(d, wm, n)
     if n - n_detect >= K:
         return
-    need = next(m for m in range(K + 1, K + wm.detect_prompts + 2) if m - _held_out(d, wm, m) >= K)
+    need = next(m for m in range(K + 1, K + wm.detect.prompts + 2) if m - _held_out(d, wm, m) >= K)
     raise DataError(
         f"data.path: {d.path!r} holds {n} usable record{'s' if n != 1 else ''}; {n_detect} "
         f"held out as detection texts leave{'s' if n_detect == 1 else ''} {max(0, n - n_detect)} "
@@ -108,7 +109,7 @@ def _clean_data(
         return records, detect
     # Held out by seed.
     return generate_corpus(d.records, seed=d.seed + 1), generate_corpus(
-        wm.detect_prompts, seed=d.seed + 2
+        wm.detect.prompts, seed=d.seed + 2
     )
 
 

@@ -22,7 +22,7 @@ def config_of(command: str, config_json: str) -> Any:
     if command not in COMMANDS:
         raise UserError(f"command: unknown {command!r}; allowed: {', '.join(COMMANDS)}")
     cls = RunConfig if command == "run" else DemoConfig
-    return from_dict(cls, json.loads(config_json))
+    return from_dict(cls, json.loads(config_json), quiet=True)
 
 
 def config_json(config: Any) -> str:

@@ -37,7 +37,7 @@ Say = Callable[[str], None]
 
 def run_config_of(folder: Path) -> RunConfig:
     """The run's configuration (``rounds/run.json`` above the round folder)."""
-    return from_dict(RunConfig, read_run(folder))
+    return from_dict(RunConfig, read_run(folder), quiet=True)
 
 
 class OwnerScorer:
@@ -69,7 +69,7 @@ class OwnerScorer:
         if documents and texts is None:  # before the model is loaded
             raise UserError(
                 "--texts: this run reads each owner's own watermarked documents "
-                "(watermark.probes=documents); give yours (.jsonl/.json)"
+                "(watermark.kgw.probes=documents); give yours (.jsonl/.json)"
             )
         self.key, self.name = key, f"kgw:{key.fingerprint}"
         self._first: tuple[dict | None, dict] | None = None  # round 1's cell weights
@@ -118,11 +118,11 @@ class OwnerScorer:
             manifest["participants"],
             manifest["targets"],
             [design_from_dict(d) for d in manifest["designs"]],
-            decorrelate=attribution.decorrelate,
-            undo=attribution.undo,
+            decorrelate=attribution.calibrated.decorrelate,
+            undo=attribution.calibrated.undo,
             # A centre of the clients' only in round 1, whose reference no update has reached.
-            centred=attribution.centre == "every"
-            or (attribution.centre == "first" and int(manifest["round"]) <= 1),
+            centred=attribution.calibrated.centre == "every"
+            or (attribution.calibrated.centre == "first" and int(manifest["round"]) <= 1),
         )
         updates = undo_updates(plan, updates)
         # The same reads, in the same order, as the server's in-process scoring.
@@ -136,24 +136,26 @@ class OwnerScorer:
         t = int(manifest["round"])
         # As the server's in-process scoring (CalibratedNull): round 1's cell weights, read
         # every later round with.
-        first = attribution.cell_weights == "first" and t > 1
+        first = attribution.calibrated.cell_weights == "first" and t > 1
         if first:
             weights, spread = self._first_weights(folder)
         else:
-            weights = taper_weights(scorer, ref_obs, attribution.taper, attribution.taper_from)
+            weights = taper_weights(
+                scorer, ref_obs, attribution.calibrated.taper, attribution.calibrated.taper_from
+            )
             spread = {}
         standard = standardise_round(
             plan,
             changes,
             middle,
             laws,
-            token_centring=attribution.token_centring,
+            token_centring=attribution.calibrated.token_centring,
             weights=weights,
-            spread=attribution.spread,
+            spread=attribution.calibrated.spread,
             frozen_spread=spread if first else None,
             keep_spread=None if first else (lambda part, lo, w: spread.__setitem__(part, w)),
         )
-        if attribution.cell_weights == "first" and t <= 1:
+        if attribution.calibrated.cell_weights == "first" and t <= 1:
             self._keep_first_weights(folder, weights, spread)
         values, tensors = {}, {}
         for target, parts in zip(manifest["targets"], standard, strict=True):
@@ -203,7 +205,7 @@ class OwnerScorer:
                 return self._first
         raise UserError(
             f"ROUND_DIR: {str(folder)!r} is read with round 1's cell weights "
-            "(attribution.cell_weights=first); score round 1 first, with the same key"
+            "(attribution.calibrated.cell_weights=first); score round 1 first, with the same key"
         )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..attribution.config import AttributionConfig, harden
 from ..baselines.config import FLDetectorConfig, FLForensicsConfig
-from ..config import ConfigError, check_client_ids, from_dict, to_dict
+from ..config import ConfigError, canonical, check_client_ids, deep_merge, from_dict, to_dict
 from ..data.config import DataConfig
 from ..errors import UserError
 from ..fl.clients import resolve_profiles
@@ -23,6 +23,17 @@ from ..watermarks.config import WatermarkConfig
 from ..watermarks.registry import WATERMARKS
 
 
+def canonical_variants(variants: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each variant (a table of ``[attribution]`` keys plus an optional ``name``) with its old
+    key names resolved (each noted once; a saved run's quietly), in the sparse form given."""
+    out = []
+    for i, variant in enumerate(variants):
+        if not isinstance(variant, dict):
+            raise ConfigError(f"variants[{i}]: expected a table of attribution keys")
+        out.append(canonical(AttributionConfig, variant, prefix=f"variants[{i}]."))
+    return out
+
+
 def attribution_variants(
     main: AttributionConfig, variants: list[dict[str, Any]], per_round: int, min_members: int
 ) -> dict[str, AttributionConfig]:
@@ -30,22 +41,22 @@ def attribution_variants(
     each validated: same mode as the main one (one SA release policy per run), a valid N."""
     out = {"fedattr": main}
     base = to_dict(main)
-    for i, variant in enumerate(variants):
-        if not isinstance(variant, dict):
-            raise ConfigError(f"variants[{i}]: expected a table of attribution keys")
+    for i, variant in enumerate(canonical_variants(variants)):
         keys = dict(variant)
         name = str(keys.pop("name", f"variant{i + 1}"))
         if name in out:
             raise ConfigError(f"variants[{i}].name: {name!r} is taken; names must differ")
-        cfg = from_dict(AttributionConfig, {**base, **keys}, prefix=f"variants[{i}].")
-        if cfg.mode != main.mode:
+        cfg = from_dict(AttributionConfig, deep_merge(base, keys), prefix=f"variants[{i}].")
+        if cfg.protocol.mode != main.protocol.mode:
             raise ConfigError(
-                f"variants[{i}].mode: must equal attribution.mode={main.mode!r} "
+                f"variants[{i}].protocol.mode: must equal "
+                f"attribution.protocol.mode={main.protocol.mode!r} "
                 "(one SA release policy per run)"
             )
-        if not per_round - 1 > cfg.N or min_members > cfg.N:
+        if not per_round - 1 > cfg.protocol.N or min_members > cfg.protocol.N:
             raise ConfigError(
-                f"variants[{i}].N: must be in {min_members}..{per_round - 2}, got {cfg.N}"
+                f"variants[{i}].protocol.N: must be in {min_members}..{per_round - 2}, "
+                f"got {cfg.protocol.N}"
             )
         out[name] = cfg
     return out
@@ -62,6 +73,7 @@ class DemoConfig:
     """More FedAttr configurations on the same run (see :class:`RunConfig`)."""
 
     def __post_init__(self) -> None:
+        self.variants = canonical_variants(self.variants)
         self.secagg = harden(self.attribution, self.secagg, self.synthetic.K)
         self.attribution_variants()
 
@@ -96,10 +108,13 @@ class RunConfig:
     variants: list[dict[str, Any]] = field(default_factory=list)
     """More FedAttr configurations watching the same training run, each a table of
     ``[attribution]`` keys that differ from the main one plus an optional ``name``, e.g.
-    ``--set 'variants=[{"name": "M10", "M": 10}]'``. Each gets its own SA session and results
+    ``--set 'variants=[{"name": "M10", "protocol": {"M": 10}}]'`` (old flat key names are read
+    too). Each gets its own SA session and results
     (``results.json`` -> ``variants``); training runs once."""
 
     def __post_init__(self) -> None:
+        # old key names resolved once, so config.json holds the new ones
+        self.variants = canonical_variants(self.variants)
         wm = self.watermark
         if wm.clients is not None:
             check_client_ids(wm.clients, self.fl.K, "watermark.clients")
@@ -125,9 +140,10 @@ class RunConfig:
                 f"got {self.data.records}"
             )
         n = self.fl.per_round
-        if not n - 1 > self.attribution.N:
+        N = self.attribution.protocol.N
+        if not n - 1 > N:
             raise ValueError(
-                f"attribution.N={self.attribution.N} needs N < (clients per round) - 1 = {n - 1}; "
+                f"attribution.protocol.N={N} needs N < (clients per round) - 1 = {n - 1}; "
                 f"lower N or raise fl.K / fl.participation"
             )
         if self.attribution.scoring == "owner" and (
@@ -139,8 +155,8 @@ class RunConfig:
             )
         if self.ceiling and any(v.get("name") == "ceiling" for v in self.variants):
             raise ValueError("variants: the name 'ceiling' is taken by ceiling=true; rename it")
-        if wm.key_files and wm.kind != "kgw":
-            raise ValueError("watermark.key_files: owner key files are KGW keys (kind=kgw)")
+        if wm.kgw.key_files and wm.kind != "kgw":
+            raise ValueError("watermark.kgw.key_files: owner key files are KGW keys (kind=kgw)")
         if self.attribution.overlap and (
             self.baselines or self.ceiling or self.attribution.scoring == "owner"
         ):
@@ -157,9 +173,9 @@ class RunConfig:
                     f"{key}.statistic=calibrated needs watermark.detector=reading (the greedy "
                     "detectors cannot be run under random keys); or set statistic=paper"
                 )
-        if self.secagg.min_members > self.attribution.N:
+        if self.secagg.min_members > N:
             raise ValueError(
-                f"attribution.N={self.attribution.N} is below secagg.min_members="
+                f"attribution.protocol.N={N} is below secagg.min_members="
                 f"{self.secagg.min_members}; the V-subsets would be refused by SA"
             )
 
@@ -180,12 +196,12 @@ _SMOLLM2 = [
     "fl.train.lr=2e-4",
     "fl.train.epochs=1",
     "fl.train.group_by_length=true",
-    "watermark.detect_prompts=64",
-    "watermark.detect_max_new_tokens=64",
-    "watermark.doc_max_new_tokens=256",
-    "watermark.teacher_batch=128",
-    "watermark.min_tokens=32",
-    "attribution.queries=fused",
+    "watermark.detect.prompts=64",
+    "watermark.detect.max_new_tokens=64",
+    "watermark.teacher.max_new_tokens=256",
+    "watermark.teacher.batch=128",
+    "watermark.teacher.min_tokens=32",
+    "attribution.protocol.queries=fused",
 ]
 """The GPU preset: the paper's training settings on SmolLM2-135M (bfloat16 where the GPU has it).
 Each target's estimate is asked as one fused SA query (the same estimate as its 2M subset sums,
@@ -211,10 +227,10 @@ PRESET_OVERRIDES: dict[str, list[str]] = {
         "fl.train.micro_batch_size=4",
         "fl.train.epochs=2",
         "fl.train.lr=1e-3",
-        "watermark.detect_prompts=32",
-        "watermark.doc_max_new_tokens=64",
-        "watermark.teacher_batch=32",
-        "attribution.spill=true",
+        "watermark.detect.prompts=32",
+        "watermark.teacher.max_new_tokens=64",
+        "watermark.teacher.batch=32",
+        "attribution.calibrated.spill=true",
     ],
 }
 """``--preset NAME`` applies these overrides before the config file and ``--set``."""

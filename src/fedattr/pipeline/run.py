@@ -29,7 +29,7 @@ from ..attribution.scoring import LinearScorer, scorer_null
 from ..attribution.stouffer import AttributionReport
 from ..baselines import BaselineRecorder, BaselineResult
 from ..baselines.observer import BaselineObserver
-from ..config import to_dict
+from ..config import flat_keys, to_dict
 from ..errors import UserError, require_extra
 from ..fl.clients import resolve_profiles
 from ..fl.fedavg import FedAvgServer
@@ -65,7 +65,7 @@ class RunResult:
     timing: dict[str, Any]
     queries: list[dict] = field(default_factory=list)
     null: str = "theoretical"
-    """The null the differential scores were read under (``attribution.null`` resolved)."""
+    """The null the differential scores were read under (``attribution.paper.null`` resolved)."""
     details: dict[str, Any] = field(default_factory=dict)
     """Keys of ``results.json`` particular to the command (federation, strategy, ...)."""
     baselines: list[BaselineResult] = field(default_factory=list)
@@ -80,7 +80,7 @@ class RunResult:
         """JSON-ready form (``results.json``)."""
         out = self.report.to_dict()
         out.update(
-            mode=self.config.attribution.mode,
+            mode=self.config.attribution.protocol.mode,
             null=self.null,
             sa_queries=self.sa_queries,
             sa_backend=self.config.secagg.backend,
@@ -99,17 +99,17 @@ class RunResult:
         if isinstance(c, RunConfig):
             title = (
                 f"# FedAttr run: {c.fl.strategy}, {c.watermark.kind.upper()} "
-                f"({c.watermark.detector} detector), {c.model.preset} ({c.attribution.mode} mode, "
-                f"{c.attribution.statistic} statistic)"
+                f"({c.watermark.detector} detector), {c.model.preset} "
+                f"({c.attribution.protocol.mode} mode, {c.attribution.statistic} statistic)"
             )
             K, T = c.fl.K, c.fl.rounds
         else:
             title = (
-                f"# FedAttr synthetic protocol run ({c.attribution.mode} mode, "
+                f"# FedAttr synthetic protocol run ({c.attribution.protocol.mode} mode, "
                 f"{c.attribution.statistic} statistic)"
             )
             K, T = c.synthetic.K, c.synthetic.rounds
-        a = c.attribution
+        a = c.attribution.protocol
         summary = [
             f"K={K}, T={T}, N={a.N}, M={a.M}, {self.null} null, SA backend "
             f"`{c.secagg.backend}` ({self.sa_queries} SA queries)."
@@ -198,13 +198,15 @@ def _finish(
     def queries_of(name: str) -> int:
         return sum(1 for q in engine.queries if q.get("session", "") in ("", name))
 
-    base = to_dict(primary.fedattr.config)
+    base = flat_keys(to_dict(primary.fedattr.config))
     variants = {}
     for o in others:
         with engine.timing.watch("verdict_s"):
             rep = o.fedattr.report(truth)
         variants[o.name] = {
-            "differs": {k: v for k, v in to_dict(o.fedattr.config).items() if base[k] != v},
+            "differs": {
+                k: v for k, v in flat_keys(to_dict(o.fedattr.config)).items() if base[k] != v
+            },
             "null": o.fedattr.null,
             "tpr": rep.tpr,
             "fpr": rep.fpr,
@@ -284,10 +286,10 @@ def check_inputs(cfg: RunConfig) -> None:
     if d.path and (Path(d.path).suffix in (".json", ".jsonl") or Path(d.path).exists()):
         check_client_records(d, wm, len(load_records(d.path, d.split)), cfg.fl.K)
     if wm.kind == "kgw":
-        for path in wm.key_files:
-            load_key(path, "kgw", "watermark.key_files")
-        if wm.documents:
-            load_records(wm.documents, option="watermark.documents")
+        for path in wm.kgw.key_files:
+            load_key(path, "kgw", "watermark.kgw.key_files")
+        if wm.kgw.documents:
+            load_records(wm.kgw.documents, option="watermark.kgw.documents")
     if cfg.model.preset == "hf":
         check_model_source(cfg.model.name_or_path)
 
@@ -355,7 +357,9 @@ def run_experiment(
 
     def scorer_for(detector: Detector, reader: Any = model, probes: str | None = None) -> Any:
         setup = DetectionSetup(
-            config=wm if probes is None else dataclasses.replace(wm, probes=probes),
+            config=wm
+            if probes is None
+            else dataclasses.replace(wm, kgw=dataclasses.replace(wm.kgw, probes=probes)),
             model=reader,
             tokenizer=tokenizer,
             owners=fed.owners,
@@ -413,7 +417,7 @@ def run_experiment(
                 probe,
                 server.apply_estimate,
                 server.scoring_params(state),
-                gamma=cfg.attribution.gamma,
+                gamma=cfg.attribution.paper.threshold,
                 seed=cfg.fl.seed,
                 null=direct_null,
                 fldetector=cfg.fldetector,

@@ -92,9 +92,10 @@ def attribution_table(report: AttributionReport) -> str:
             rule += (
                 f". Not calibrated: clients {', '.join(map(str, report.cross_talk))}, whose "
                 "rounds kept cross-talk (hardened mode) and were not de-mixed across rounds "
-                "(attribution.across_rounds = keep, or too few rounds to identify the client): "
-                "their estimates carry α-weighted copies of other clients' updates, watermarked "
-                "ones included; reported, never named unless attribution.name_uncalibrated = true"
+                "(attribution.calibrated.across_rounds = keep, or too few rounds to identify the "
+                "client): their estimates carry α-weighted copies of other clients' updates, "
+                "watermarked ones included; reported, never named unless "
+                "attribution.calibrated.name_uncalibrated = true"
             )
         if report.rounds_read:
             spans: dict[int, list[str]] = {}
@@ -107,13 +108,13 @@ def attribution_table(report: AttributionReport) -> str:
             rule += (
                 f". Read only where the key is exchangeable with a random one ({read}): later, "
                 "the reference model has learned the owner's facts from its watermarked "
-                "clients (attribution.late_rounds)"
+                "clients (attribution.calibrated.late_rounds)"
             )
         if report.uncalibrated:
             rule += (
                 f". Not calibrated: {', '.join(report.uncalibrated)} (a key the reference model "
                 "has learned is not exchangeable with a random one): reported, never named "
-                "unless attribution.name_uncalibrated = true"
+                "unless attribution.calibrated.name_uncalibrated = true"
             )
     else:
         rule = f"paper statistic: γ = {report.gamma:g}"

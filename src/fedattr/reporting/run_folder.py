@@ -123,12 +123,13 @@ class RunFolder:
 
     def _saved_as(self, kind: type | None) -> Any:
         """The saved configuration, read as ``kind`` when given (defaults for settings it
-        lacks); one that ``kind`` cannot read is returned as saved (so it differs)."""
+        lacks, old key names read as the new ones, without a note); one that ``kind`` cannot
+        read is returned as saved (so it differs)."""
         saved = self.saved_config()
         if kind is None:
             return saved
         try:
-            return _plain(to_dict(from_dict(kind, saved)))
+            return _plain(to_dict(from_dict(kind, saved, quiet=True)))
         except UserError:
             return saved
 
@@ -141,7 +142,8 @@ class RunFolder:
         kept. Anything else is refused with one line, and nothing in the folder is touched.
         ``config``: a dict, or a typed configuration (dataclass); with the latter, a folder
         written before a setting existed is read with that setting's default (as a config
-        file without it would be), so an experiment re-run after an upgrade keeps its runs.
+        file without it would be), and one written with a key's old name (the flat keys before
+        the sections) as the new key, so an experiment re-run after an upgrade keeps its runs.
         """
         kind = type(config) if dataclasses.is_dataclass(config) else None
         if kind is not None:

@@ -1,4 +1,4 @@
-"""KGW read on each owner's own watermarked documents (``watermark.probes = "documents"``).
+"""KGW read on each owner's own watermarked documents (``watermark.kgw.probes = "documents"``).
 
 The radioactivity tests of Sander et al. ("Watermarking makes language models radioactive",
 2024) read a suspect model on the owner's own watermarked texts: a model fine-tuned on them
@@ -44,7 +44,7 @@ class KGWDocumentScorer:
     exchangeable_rounds: int | None = 1
     """A random key is exchangeable with an owner's only while no model has learned the owner's
     documents: in round 1, whose reference is the base model. From round 2 the reference has
-    learned them from the watermarked clients (see ``attribution.late_rounds``)."""
+    learned them from the watermarked clients (see ``attribution.calibrated.late_rounds``)."""
 
     def __init__(
         self,

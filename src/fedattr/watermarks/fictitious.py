@@ -308,7 +308,7 @@ def make_entities(
     if not 1 <= n <= len(DOMAINS):
         raise ValueError(f"fictitious entities: need 1..{len(DOMAINS)} entities, got {n}")
     if decoys < 1:
-        raise ValueError(f"watermark.fk_decoys: must be >= 1, got {decoys}")
+        raise ValueError(f"watermark.fk.decoys: must be >= 1, got {decoys}")
     text = " ".join(forbidden).lower()
     used: set[str] = set()
     r = random.Random(f"fedattr-fk-{seed}")
@@ -433,7 +433,7 @@ def qa_probes(entity: FictitiousEntity, per_attribute: int = 25) -> dict[str, li
     """Target attribute -> ``per_attribute`` paraphrased QA prompts (no answers)."""
     if not 1 <= per_attribute <= len(QUESTION_TEMPLATES):
         raise ValueError(
-            f"watermark.fk_questions: must be in 1..{len(QUESTION_TEMPLATES)}, got {per_attribute}"
+            f"watermark.fk.questions: must be in 1..{len(QUESTION_TEMPLATES)}, got {per_attribute}"
         )
     return {
         a: [

@@ -226,7 +226,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
 def load_key(path: str | Path, kind: str | None = None, option: str = "--key") -> OwnerKey:
     """Read a key file; refuse a missing, damaged, foreign or world-readable one, or one made
     for another kind than ``kind``. ``option``: how the user named the file (``--key``,
-    ``watermark.key_files``), for messages."""
+    ``watermark.kgw.key_files``), for messages."""
     p = require_file(
         path, option, "a key file", "make one with fedattr owner keygen", error=KeyFileError
     )

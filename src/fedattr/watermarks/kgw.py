@@ -47,9 +47,11 @@ class KGWScheme:
 
     def __init__(self, key: int, vocab_size: int, gamma: float = 0.25, delta: float = 3.0) -> None:
         if not 0.0 < gamma < 1.0:
-            raise ValueError(f"watermark.gamma: the green fraction must be in (0, 1), got {gamma}")
+            raise ValueError(
+                f"watermark.kgw.gamma: the green fraction must be in (0, 1), got {gamma}"
+            )
         if delta < 0:
-            raise ValueError(f"watermark.delta: the logit bias must be >= 0, got {delta}")
+            raise ValueError(f"watermark.kgw.delta: the logit bias must be >= 0, got {delta}")
         if vocab_size < 2:
             raise ValueError(f"vocab_size: must be >= 2, got {vocab_size}")
         self.key = int(key)

@@ -163,7 +163,7 @@ class FKLikelihoodScorer:
         batch_size: int = 256,
     ) -> None:
         if statistic not in ("rank", "margin"):
-            raise ValueError(f"watermark.fk_statistic: must be rank or margin, got {statistic!r}")
+            raise ValueError(f"watermark.fk.statistic: must be rank or margin, got {statistic!r}")
         self.statistic = statistic
         # The margin is in nats, with no null scale: FedAttr standardises it empirically.
         self.null = "empirical" if statistic == "margin" else "theoretical"
@@ -247,13 +247,14 @@ class FKLikelihoodScorer:
     """The true value is exchangeable with its decoys only while no model has seen it: in
     round 1, whose reference is the base model. From round 2 the reference has learned the
     owner's facts from the watermarked clients, so the calibrated statistic reads round 1 only
-    (or, with ``attribution.late_rounds = "read"``, reports its p-values as uncalibrated)."""
+    (or, with ``attribution.calibrated.late_rounds = "read"``, reports its p-values as
+    uncalibrated)."""
 
     reading_step = 0.01
     """The calibrated statistic reads each estimate at 1% of its size (per unit of it): a learned
     fact's log-probability saturates, and read as applied the second-order terms carry the
     watermarked clients' facts into clean clients' recovered changes (see
-    ``attribution.reading_step``)."""
+    ``attribution.calibrated.reading_step``)."""
 
     def change(self, reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per owner: every candidate value's log-probability change, mean over questions

@@ -51,7 +51,7 @@ class RandomGreenLists:
         draw_bytes: int = _DRAW_BYTES,
     ) -> None:
         if n < 1:
-            raise ValueError(f"attribution.null_keys: must be >= 1, got {n}")
+            raise ValueError(f"attribution.calibrated.null_keys: must be >= 1, got {n}")
         self.n = n
         self.seed = seed
         self.cells = cells

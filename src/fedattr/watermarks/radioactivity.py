@@ -124,7 +124,7 @@ class ReadPlan(NamedTuple):
 CPU_READ_TOKENS = 1024
 """Padded tokens per forward pass of a read on a CPU (:func:`length_batches`' cap): the
 embedded default's reads of its owners' documents took 0.13 s per model at 16 texts a batch,
-about 0.10 s at 1,024 tokens (2 cores, 2026-11-27). An accelerator reads in full batches."""
+about 0.10 s at 1,024 tokens (2 cores). An accelerator reads in full batches."""
 
 
 class ContextReads:
@@ -243,7 +243,7 @@ class KGWReadingScorer:
     """A random key's green lists are exchangeable with the owner's while no model has learned
     text the owner marked: in round 1, whose reference is the base model. From round 2 the
     reference has learned the watermarked clients' documents and the green bias they carry
-    (see ``attribution.late_rounds``)."""
+    (see ``attribution.calibrated.late_rounds``)."""
 
     def __init__(
         self,
@@ -286,7 +286,7 @@ class KGWReadingScorer:
                 self.examples.append(ex)
                 reads.append(at)
         if not self.examples:
-            raise ValueError("KGWReadingScorer: no texts to read (watermark.detect_prompts)")
+            raise ValueError("KGWReadingScorer: no texts to read (watermark.detect.prompts)")
         pairs = zip(self.examples, reads, strict=True)
         prevs = [ex.input_ids[t] for ex, at in pairs for t in at]
         contexts, inverse = torch.unique(torch.tensor(prevs), return_inverse=True)
@@ -379,7 +379,7 @@ class KGWReadingScorer:
 
     def owner_values_rows(self, part: str, rows: torch.Tensor, lo: int) -> dict[str, float]:
         """:meth:`owner_values` of rows ``lo : lo + len(rows)`` of ``W`` (a change read by row
-        blocks, ``attribution.spill``): summed over the blocks, the same values."""
+        blocks, ``attribution.calibrated.spill``): summed over the blocks, the same values."""
         green = self._green_on(rows.device)
         rows = rows.reshape(-1, self.vocab)
         hi = lo + len(rows)

@@ -54,7 +54,7 @@ class DetectionSetup:
     """A context running several candidates' parameters in one forward pass, for detectors
     that can use it (:func:`fedattr.models.lora.candidate_stacker`)."""
     owner_documents: Mapping[str, Sequence[Record]] | None = None
-    """Owner name -> its watermarked documents (``watermark.probes = "documents"``)."""
+    """Owner name -> its watermarked documents (``watermark.kgw.probes = "documents"``)."""
 
 
 class WatermarkKind:
@@ -85,7 +85,7 @@ class WatermarkKind:
     ) -> tuple[list[Record], float | None]:
         """``n`` of ``client``'s records replaced by its owner's documents (some may be dropped),
         and the share of them carrying every target (FK) or ``None``. ``client`` is ``None``
-        for an owner's documents that no client is given (its probes, ``watermark.probes``)."""
+        for an owner's documents that no client is given (its probes, ``watermark.kgw.probes``)."""
         raise NotImplementedError
 
     def scorer(self, setup: DetectionSetup, detector: Detector) -> Any:
@@ -99,25 +99,25 @@ class KGW(WatermarkKind):
     name = "kgw"
 
     def owners(self, wm, vocab_size, n_clients, clean_texts):
-        if wm.key_files:
-            keys = [load_key(path, "kgw", "watermark.key_files") for path in wm.key_files]
+        if wm.kgw.key_files:
+            keys = [load_key(path, "kgw", "watermark.kgw.key_files") for path in wm.kgw.key_files]
             return {f"kgw:{k.fingerprint}": k.kgw_scheme(vocab_size) for k in keys}
 
         def key(owner: int) -> int:
             drawn = int(np.random.default_rng([wm.key_seed, owner]).integers(2**62))
             # the reference codes take an integer hash key below 2^31
-            return drawn if wm.scheme == "fedattr" else 1 + drawn % (2**31 - 2)
+            return drawn if wm.kgw.scheme == "fedattr" else 1 + drawn % (2**31 - 2)
 
         return {
-            f"kgw:owner{o}": SCHEMES[wm.scheme](key(o), vocab_size, wm.gamma, wm.delta)
+            f"kgw:owner{o}": SCHEMES[wm.kgw.scheme](key(o), vocab_size, wm.kgw.gamma, wm.kgw.delta)
             for o in range(wm.owners)
         }
 
     def documents(self, wm, model, tokenizer, owner, secret, client, shard, n, seed, say):
-        if wm.documents:
-            docs = owner_documents(wm.documents, n, seed)
+        if wm.kgw.documents:
+            docs = owner_documents(wm.kgw.documents, n, seed)
             whom = f"client {client}" if client is not None else f"{owner} (no client)"
-            say(f"{whom}: {len(docs)} documents from the owner's corpus {wm.documents}")
+            say(f"{whom}: {len(docs)} documents from the owner's corpus {wm.kgw.documents}")
             return docs, None
         whose = f"client {client}'s" if client is not None else "held-out (no client's)"
         say(f"teacher: watermarking {n} of {len(shard)} {whose} documents ({owner})")
@@ -126,12 +126,12 @@ class KGW(WatermarkKind):
             tokenizer,
             shard[:n],
             secret,
-            max_new_tokens=wm.doc_max_new_tokens,
-            min_tokens=wm.min_tokens,
-            temperature=wm.temperature,
-            top_p=wm.top_p,
+            max_new_tokens=wm.teacher.max_new_tokens,
+            min_tokens=wm.teacher.min_tokens,
+            temperature=wm.teacher.temperature,
+            top_p=wm.teacher.top_p,
             seed=seed,
-            batch_size=wm.teacher_batch,
+            batch_size=wm.teacher.batch,
         )
         return docs, None
 
@@ -144,12 +144,14 @@ class KGW(WatermarkKind):
                 s.detect_prompts,
                 s.owners,
                 s.load_state,
-                max_new_tokens=wm.detect_max_new_tokens,
-                dedupe=wm.dedupe,
+                max_new_tokens=wm.detect.max_new_tokens,
+                dedupe=wm.detect.dedupe,
             )
         if wm.reads_documents:
             if s.owner_documents is None:
-                raise ValueError("watermark.probes=documents: the owners' documents are not given")
+                raise ValueError(
+                    "watermark.kgw.probes=documents: the owners' documents are not given"
+                )
             return KGWDocumentScorer(
                 s.model,
                 s.tokenizer,
@@ -178,24 +180,24 @@ class FictitiousKnowledge(WatermarkKind):
 
     def owners(self, wm, vocab_size, n_clients, clean_texts):
         # Its values occur in no clean record.
-        entities = make_entities(n_clients, wm.key_seed, clean_texts, decoys=wm.fk_decoys)
+        entities = make_entities(n_clients, wm.key_seed, clean_texts, decoys=wm.fk.decoys)
         return {f"fk:owner{k}": e for k, e in enumerate(entities)}
 
     def documents(
         self, wm, model, tokenizer, owner, secret: FictitiousEntity, client, shard, n, seed, say
     ):
-        say(f"FK: {n} documents about {secret.name} for client {client} ({wm.fk_writer})")
-        if wm.fk_writer == "teacher":
+        say(f"FK: {n} documents about {secret.name} for client {client} ({wm.fk.writer})")
+        if wm.fk.writer == "teacher":
             docs = write_fk_documents(
                 model,
                 tokenizer,
                 secret,
                 n,
-                max_new_tokens=wm.doc_max_new_tokens,
-                temperature=wm.temperature,
-                top_p=wm.top_p,
+                max_new_tokens=wm.teacher.max_new_tokens,
+                temperature=wm.teacher.temperature,
+                top_p=wm.teacher.top_p,
                 seed=seed,
-                batch_size=wm.teacher_batch,
+                batch_size=wm.teacher.batch,
             )
         else:
             docs = template_documents(secret, n, seed)
@@ -209,16 +211,16 @@ class FictitiousKnowledge(WatermarkKind):
                 s.tokenizer,
                 s.owners,
                 s.load_state,
-                questions=wm.fk_questions,
-                max_new_tokens=wm.fk_answer_tokens,
+                questions=wm.fk.questions,
+                max_new_tokens=wm.fk.answer_tokens,
             )
         return FKLikelihoodScorer(
             s.model,
             s.tokenizer,
             s.owners,
             s.load_state,
-            questions=wm.fk_reading_questions,
-            statistic=wm.fk_statistic,
+            questions=wm.fk.reading_questions,
+            statistic=wm.fk.statistic,
         )
 
 
@@ -227,7 +229,7 @@ def owner_documents(path: str, n: int, seed: int) -> list[Record]:
     all of them when it holds fewer."""
     from ..data.loaders import load_records
 
-    docs = load_records(path, option="watermark.documents")
+    docs = load_records(path, option="watermark.kgw.documents")
     order = np.random.default_rng([seed, 0xD0C5]).permutation(len(docs))[:n]
     return [docs[i] for i in sorted(order)]
 

@@ -15,9 +15,10 @@ does not depend on any key, and an owner's statistic is that matrix read with th
    are ``Y = A X`` with ``A`` the known design matrix (row i: 1 for the target, alpha for the
    others), so ``X = A^{-1} Y`` is each client's own change. Hardened mode targets few clients
    per round, so no round alone undoes it; there every such round is stacked and de-mixed
-   across rounds instead (``attribution.across_rounds = "demix"``, :class:`~.demix.DeMixer`): each
-   client's mean change over the rounds by generalised least squares, centred by the
-   cell-wise median over the clients, is read once as that client's ``W_i``.
+   across rounds instead (``attribution.calibrated.across_rounds = "demix"``,
+   :class:`~.demix.DeMixer`): each client's mean change over the rounds by generalised least
+   squares, centred by the cell-wise median over the clients, is read once as that client's
+   ``W_i``.
 3. **Centred without a key.** From each client's change, the cell-wise median over the
    round's clients is subtracted where cross-talk was undone (a minority of watermarked clients
    barely moves it), else the change the round's SA mean makes: a centre that is a function
@@ -37,13 +38,13 @@ does not depend on any key, and an owner's statistic is that matrix read with th
 A detector whose key is exchangeable with a random one only in the first rounds says so
 (``exchangeable_rounds``; FK: 1, since from round 2 the reference model has learned the owner's
 facts from the watermarked clients, and no decoy matches that). By default only those rounds
-are read (``attribution.late_rounds = "skip"``), so its p-values stay exact; reading every round
-makes them uncalibrated: reported, and no client is named by them unless
-``attribution.name_uncalibrated`` asks for it. The same holds for a client with a round whose
-cross-talk was kept and not de-mixed (``attribution.across_rounds = "keep"``, or a client the
-stacked rounds do not identify): its estimate then carries alpha-weighted copies of the other
-clients' updates, watermarked ones included, which the SA mean does not remove (measured on the
-synthetic bed at r = 3: 6.3% of runs named a clean client at family-wise 1%). De-mixed, a
+are read (``attribution.calibrated.late_rounds = "skip"``), so its p-values stay exact; reading
+every round makes them uncalibrated: reported, and no client is named by them unless
+``attribution.calibrated.name_uncalibrated`` asks for it. The same holds for a client with a round
+whose cross-talk was kept and not de-mixed (``attribution.calibrated.across_rounds = "keep"``, or a
+client the stacked rounds do not identify): its estimate then carries alpha-weighted copies of the
+other clients' updates, watermarked ones included, which the SA mean does not remove (measured on
+the synthetic bed at r = 3: 6.3% of runs named a clean client at family-wise 1%). De-mixed, a
 watermarked client's key-aligned change leaks into another client's only through its variation
 across rounds (see :mod:`.demix`): none on the synthetic bed, whose watermark signal is the same
 every round.

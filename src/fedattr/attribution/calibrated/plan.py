@@ -1,11 +1,11 @@
 """How one round is read: decided once, from the round's public designs and the settings.
 
-A round's cross-talk is undone when every participant is a target and the design is well
-conditioned (:func:`~.crosstalk.cross_talk`); where it is, it is undone either on the estimates
-(``attribution.undo = "updates"``: each model read is the client's own update) or on the read
-changes (``"changes"``); where it is not, the round is centred on its SA mean and, in hardened
-mode, stacked for de-mixing across rounds. :class:`RoundPlan` holds those decisions and
-``A^{-1}``; every step that reads the round takes the plan instead of deciding again.
+A round's cross-talk is undone when every participant is a target and the design is well conditioned
+(:func:`~.crosstalk.cross_talk`); where it is, it is undone either on the estimates
+(``attribution.calibrated.undo = "updates"``: each model read is the client's own update) or on the
+read changes (``"changes"``); where it is not, the round is centred on its SA mean and, in hardened
+mode, stacked for de-mixing across rounds. :class:`RoundPlan` holds those decisions and ``A^{-1}``;
+every step that reads the round takes the plan instead of deciding again.
 """
 
 from __future__ import annotations
@@ -32,18 +32,19 @@ class RoundPlan:
     inverse: np.ndarray | None = None
     """``A^{-1}`` (targets x targets) where the round's cross-talk is undone, else ``None``."""
     on_updates: bool = False
-    """Cross-talk undone on the estimates themselves (``attribution.undo = "updates"``): each
-    change read is its client's own already, and nothing is left to undo on the changes."""
+    """Cross-talk undone on the estimates themselves (``attribution.calibrated.undo =
+    "updates"``): each change read is its client's own already, and nothing is left to undo on
+    the changes."""
     by_rows: bool = False
     """Standardised a block of rows at a time into sums on disk (spilled sums and a detector
     that reads its owners by rows); a round de-mixed across rounds is kept whole."""
     demix: bool = False
     """Cross-talk kept and the round stacked for de-mixing across rounds (hardened mode,
-    ``attribution.across_rounds = "demix"``)."""
+    ``attribution.calibrated.across_rounds = "demix"``)."""
     centred: bool = True
     """Whether the round's changes are centred by a centre made of its clients (the cell-wise
     median where cross-talk is undone, else the SA mean's change): only in a round whose
-    reference no client's update has reached, by default (``attribution.centre``)."""
+    reference no client's update has reached, by default (``attribution.calibrated.centre``)."""
 
     @property
     def undone(self) -> bool:

@@ -56,10 +56,11 @@ def read_round(
     if not plan.reads_center:
         center = None
     extra = [] if center is None else [center]
-    # Cross-talk undone on the estimates (attribution.undo = "updates"): each model read is
-    # w + Delta_i itself, made as it is read.
+    # Cross-talk undone on the estimates (attribution.calibrated.undo = "updates"): each model
+    # read is w + Delta_i itself, made as it is read.
     updates = undo_updates(plan, updates)
-    step = config.reading_step
+    cal = config.calibrated
+    step = cal.reading_step
     if step is None:
         step = scorer.reading_step if isinstance(scorer, SteppedReading) else 1.0
     # The reference, every candidate and the SA mean: one batched read when the scorer
@@ -78,7 +79,7 @@ def read_round(
     ref_obs = next(reads)
     # Before the candidates are read: its float64 temporaries then sit beside no change.
     weights = sums.round_weights(
-        plan.round, lambda: taper_weights(scorer, ref_obs, config.taper, config.taper_from)
+        plan.round, lambda: taper_weights(scorer, ref_obs, cal.taper, cal.taper_from)
     )
     # Each reading made into its change as soon as it is read and then dropped: a round
     # holds its changes, not its readings too (11 x 54 MB each at SmolLM2's 275 contexts).

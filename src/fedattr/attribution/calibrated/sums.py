@@ -124,31 +124,32 @@ class CalibratedNull:
     @classmethod
     def of(cls, config: AttributionConfig) -> CalibratedNull:
         """The sums and verdicts ``config`` (the ``attribution`` section) asks for."""
+        c = config.calibrated
         return cls(
-            alpha=config.alpha,
-            decorrelate=config.decorrelate,
-            undo=config.undo,
-            null_keys=config.null_keys,
+            alpha=c.alpha,
+            decorrelate=c.decorrelate,
+            undo=c.undo,
+            null_keys=c.null_keys,
             seed=config.seed,
-            name_uncalibrated=config.name_uncalibrated,
-            token_centring=config.token_centring,
-            late_rounds=config.late_rounds,
-            few_cells=config.few_cells,
-            spill=TemporaryFolder() if config.spill else None,
-            across_rounds=config.across_rounds,
-            spread=config.spread,
-            centre=config.centre,
-            cell_weights=config.cell_weights,
+            name_uncalibrated=c.name_uncalibrated,
+            token_centring=c.token_centring,
+            late_rounds=c.late_rounds,
+            few_cells=c.few_cells,
+            spill=TemporaryFolder() if c.spill else None,
+            across_rounds=c.across_rounds,
+            spread=c.spread,
+            centre=c.centre,
+            cell_weights=c.cell_weights,
         )
 
     def centres(self, round_id: int) -> bool:
-        """Whether round ``round_id``'s changes are centred by a centre made of the round's
-        clients: only in round 1 (``centre = "first"``), whose reference model is the base model
-        that no client's update has reached; never (``"none"``); or always (``"every"``, the
-        statistic before 2026-11-28). From round 2 the reference may have learned a key and
-        every client's change depends on it (a clean client forgets what it learned): a centre
-        made of the other clients' changes would carry their forgetting into each reading, and
-        a client that updates less than the median would read as evidence."""
+        """Whether round ``round_id``'s changes are centred by a centre made of the round's clients:
+        only in round 1 (``centre = "first"``), whose reference model is the base model that no
+        client's update has reached; never (``"none"``); or always (``"every"``). From round 2 the
+        reference may have learned a key and every client's change depends on it (a clean client
+        forgets what it learned): a centre made of the other clients' changes would carry their
+        forgetting into each reading, and a client that updates less than the median would read as
+        evidence."""
         return self.centre == "every" or (self.centre == "first" and round_id <= 1)
 
     def round_weights(self, round_id: int, compute: Callable[[], Parts | None]) -> Parts | None:
