@@ -26,6 +26,8 @@ from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..config import aliases_of
+
 REGENERATE = "python -m fedattr.cli.reference"
 """The command that rewrites the generated pages (named in their header and in test failures)."""
 
@@ -299,6 +301,18 @@ def _section(
             parts.append(_markdown(doc))
     if rows:
         parts.append(_table(["key", "type", "default", "description"], rows))
+    aliases = aliases_of(cls)
+    if aliases:
+        parts.append(
+            "Old names (the flat keys before the sections): still read, in a file, `--set`, "
+            "`variants` and a saved `config.json`, with a one-line note naming the new key."
+        )
+        parts.append(
+            _table(
+                ["old key", "now"],
+                [[_code(f"{key}.{old}"), _code(f"{key}.{new}")] for old, new in aliases.items()],
+            )
+        )
     return parts, nested
 
 
@@ -397,9 +411,11 @@ def render_configuration() -> str:
         "a `--preset`). Unknown keys and values of the wrong type are errors that name the "
         "key. Defaults are the values a run resolves (a nested section may take its defaults "
         "from its parent, e.g. `fl.train`). A resolved run's whole configuration is its "
-        "`config.json`.",
-        '```toml\n[fl]\nstrategy = "flora"\n\n[attribution]\nM = 10\n```',
-        "is the same as `--set fl.strategy=flora --set attribution.M=10`.",
+        "`config.json`. A key that moved into a section keeps its old name for a while: "
+        "each section lists its old names, which are read with a one-line note naming the "
+        "new key.",
+        '```toml\n[fl]\nstrategy = "flora"\n\n[attribution.protocol]\nM = 10\n```',
+        "is the same as `--set fl.strategy=flora --set attribution.protocol.M=10`.",
         "## `fedattr run`",
         _markdown(RunConfig.__doc__),
         *_command(run, 3),
