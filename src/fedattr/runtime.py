@@ -143,7 +143,7 @@ def release_memory() -> bool:
     threshold) it would cost training a third of its speed.
 
     On a GPU, the blocks torch's caching allocator keeps for no tensor are released too: of two
-    runs sharing an H100, one ran out of memory while the other held 45.7 GB (2026-11-27)."""
+    runs sharing an H100, one ran out of memory while the other held 45.7 GB."""
     import torch
 
     if torch.cuda.is_initialized():

@@ -229,9 +229,9 @@ class Stopwatch:
             self.add(k, v)
         for k, v in state.get("counts", {}).items():
             self.count(k, v)
-        for k, v in state.get("peaks", {}).items():  # absent in checkpoints before 2026-11-27
+        for k, v in state.get("peaks", {}).items():  # absent in older checkpoints
             self.peaks[k] = max(self.peaks.get(k, 0.0), v)
-        for k, v in state.get("device_peaks", {}).items():  # absent before 2026-11-28
+        for k, v in state.get("device_peaks", {}).items():  # absent in older ones
             self.device_peaks[k] = max(self.device_peaks.get(k, 0.0), v)
         for name in ("busy_seconds", "busy_timed"):
             mine = getattr(self, name)

@@ -40,7 +40,7 @@ STANDARDISE_CELLS = 1 << 18
 """Cells per row block where a round is standardised by blocks (:func:`standardise_blocks`):
 its K changes, their float64 combination and the sort for the median take 40-50 bytes a cell
 per client (measured: 1.3 GB for ten clients' blocks of 4M cells), so about 0.12 GB a block
-for ten clients (0.45 GB at 2^20 cells, a SmolLM2 round's peak on the CPU on 2026-11-27)."""
+for ten clients (0.45 GB at 2^20 cells, a SmolLM2 round's peak on the CPU)."""
 
 
 def row_shape(law: KeyLaw, change: Change) -> tuple[int, int]:
