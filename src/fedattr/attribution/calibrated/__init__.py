@@ -37,12 +37,11 @@ owner's statistic is that matrix read with the owner's key:
    as in Stouffer, and summed over rounds: ``W_i = sum_t (E_it - C_t) / sigma_it`` (``C_t = 0``
    after round 1).
 5. **Exact tail.** The owner's statistic is ``<W_i, G>``; with ``W_i`` fixed, its law under a
-   random key is known exactly (exact for round 1; conservative for the rounds after it as
-   long as a clean client does not move towards a key its reference learned) (:mod:`fedattr.watermarks.tail`: exact enumeration, saddlepoint
-   or a Chernoff bound; where it is a bound and the detector lends the owner's key, an
-   exact randomization test over that key shifted row by row; the method is recorded).
-   Over several owners ``p`` is
-   Bonferroni-adjusted and a client is named when it is below ``alpha / K``: family-wise level
+   random key is known exactly (:mod:`fedattr.watermarks.tail`: exact enumeration, saddlepoint
+   or a Chernoff bound; where it is a bound and the detector lends the owner's key, an exact
+   randomization test over that key shifted row by row; the method is recorded): exact for
+   round 1's reading, conservative for the rounds after it as long as a clean client does not
+   move towards a key its reference learned. Over several owners ``p`` is Bonferroni-adjusted and a client is named when it is below ``alpha / K``: family-wise level
    ``alpha`` over clients x owners. ``null_keys`` random keys read ``W_i`` once at the end as a
    check (``p_rank``, resolution ``1 / (null_keys + 1)``).
 
