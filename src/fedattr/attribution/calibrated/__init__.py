@@ -41,8 +41,9 @@ owner's statistic is that matrix read with the owner's key:
    or a Chernoff bound; where it is a bound and the detector lends the owner's key, an exact
    randomization test over that key shifted row by row; the method is recorded): exact for
    round 1's reading, conservative for the rounds after it as long as a clean client does not
-   move towards a key its reference learned. Over several owners ``p`` is Bonferroni-adjusted and a client is named when it is below ``alpha / K``: family-wise level
-   ``alpha`` over clients x owners. ``null_keys`` random keys read ``W_i`` once at the end as a
+   move towards a key its reference learned. Over several owners ``p`` is Bonferroni-adjusted
+   and a client is named when it is below ``alpha / K``: family-wise level ``alpha`` over
+   clients x owners. ``null_keys`` random keys read ``W_i`` once at the end as a
    check (``p_rank``, resolution ``1 / (null_keys + 1)``).
 
 A detector whose key is exchangeable with a random one only in the first rounds says so
