@@ -104,3 +104,23 @@ def test_combining_owners_is_bonferroni_over_them():
         assert row.p == pytest.approx(min(1.0, 2 * p_best))
         assert row.log10_p == pytest.approx(min(0.0, math.log10(2 * p_best)))
         assert row.flagged == (za > 4.0 or zb > 4.0)
+
+
+def test_a_runs_results_list_its_wrong_pairs():
+    from fedattr.attribution.stouffer import AttributionReport, ClientAttribution
+    from fedattr.pipeline.run import wrong_pairs as run_wrong_pairs
+
+    def part(flags):
+        return AttributionReport(
+            gamma=4.0,
+            clients=[
+                ClientAttribution(id=c, z={}, Z=0.0, p=1.0, log10_p=0.0, flagged=f)
+                for c, f in enumerate(flags)
+            ],
+        )
+
+    report = AttributionReport(
+        gamma=4.0, components={"A": part([True, True, False]), "B": part([False, True, True])}
+    )
+    # Client 0 trained on A's documents, client 1 on B's; client 2 on no one's.
+    assert run_wrong_pairs(report, {"0": "A", "1": "B"}) == [[1, "A"], [2, "B"]]

@@ -67,3 +67,65 @@ def test_uncentred_later_rounds_read_forgetting_as_evidence_against_the_key():
     rows = {c.id: c for c in null.clients}
     clean = [rows[c].Z for c in range(1, 8)]
     assert max(clean) < 0  # every clean client that trains reads below zero
+
+
+class _Candidates:
+    """A Fictitious-Knowledge-like detector on plain tensors: per attribute, 32 candidate values
+    whose first is the owner's (the key: which candidate is true); the change is each
+    candidate's log-probability change. Its key is exchangeable in round 1 only."""
+
+    exchangeable_rounds = 1
+
+    def __init__(self, attributes: int = 4, candidates: int = 32) -> None:
+        self.shape = (attributes, candidates)
+
+    def observe(self, params: torch.Tensor) -> torch.Tensor:
+        return params
+
+    def change(self, reference: torch.Tensor, candidate: torch.Tensor) -> dict:
+        return {"fk:owner0": (candidate - reference).reshape(self.shape)}
+
+    def key_laws(self) -> dict:
+        from fedattr.watermarks.tail.laws import RowSubsets
+
+        return {"fk:owner0": RowSubsets(1, self.shape[1])}
+
+    def owner_values(self, part: str, W: torch.Tensor) -> dict:
+        return {part: float(W.double().reshape(self.shape)[:, 0].sum())}
+
+
+def _planted_fk(centre: str, seed: int):
+    """FK's mechanism: client 0 learns the owner's facts in round 1 only (it leaves the
+    federation); from round 2 every clean client that trains forgets them (the true values'
+    log-probability falls against the decoys'), client 9 is a free-rider."""
+    rng = np.random.default_rng(seed)
+    K, T, shape = 10, 5, (4, 32)
+    scorer = _Candidates(*shape)
+    null = CalibratedNull(null_keys=0, centre=centre, alpha=0.01)
+    for t in range(1, T + 1):
+        clients = list(range(K)) if t == 1 else list(range(1, K))
+        drift = torch.tensor(rng.normal(size=shape)) * 0.05
+        changes = []
+        for c in clients:
+            own = drift + torch.tensor(rng.normal(size=shape)) * 0.05
+            if c == 0:
+                own[:, 0] += 1.0  # the owner's true values, learned
+            elif t > 1:
+                own[:, 0] -= 0.3  # forgotten
+            changes.append({"fk:owner0": (0.0 if c == 9 else 1.0) * own})
+        designs = [own_update_design(c, clients) for c in clients]
+        null.add_round(null.plan(t, clients, clients, designs), changes, None, scorer)
+    return {c.id: c for c in null.report({c: c == 0 for c in range(K)}).clients}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fictitious_knowledge_read_in_every_round_names_no_free_rider(seed):
+    old = _planted_fk("every", seed)
+    # Centred on every round's median (the statistic before 2026-11-28), the late rounds are
+    # uncalibrated for FK: reported, never named; read as the statistic did, the free-rider's
+    # true values stand at the top of its 32 candidates in every attribute.
+    assert not old[9].calibrated and old[9].log10_p < -3
+    new = _planted_fk("first", seed)
+    assert all(new[c].calibrated for c in new)
+    assert new[0].flagged and not any(new[c].flagged for c in range(1, 10))
+    assert all(new[9].z[t] == 0.0 for t in range(2, 6))  # a zero update read uncentred: nothing

@@ -91,6 +91,9 @@ class RunResult:
         )
         if self.key_laws:
             out["key_laws"] = self.key_laws
+        owner_of = self.details.get("federation", {}).get("watermarked")
+        if owner_of is not None and self.report.components:
+            out["wrong_pairs"] = wrong_pairs(self.report, owner_of)
         return out
 
     def markdown(self) -> str:
@@ -144,6 +147,20 @@ class RunResult:
             report=self.report,
         )
         return folder
+
+
+def wrong_pairs(report: AttributionReport, owner_of: Mapping[str, str]) -> list[list]:
+    """``[client, owner]`` of every pair ``report`` names although the client did not train on
+    that owner's documents (``owner_of``: client -> the owner whose documents it trained on):
+    a clean client named, or a watermarked client named for another owner. A simulation's
+    measurement (it reads the ground truth); the family-wise level bounds how often a run has
+    any."""
+    return [
+        [row.id, owner]
+        for owner, part in sorted(report.components.items())
+        for row in part.clients
+        if row.flagged and owner_of.get(str(row.id)) != owner
+    ]
 
 
 def _observers(
