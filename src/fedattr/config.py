@@ -48,7 +48,7 @@ def check_choice(
 ) -> None:
     """Raise ``error`` naming ``key`` and the ``allowed`` values unless ``value`` is one of them.
 
-    The one wording of every enum-like setting: ``attribution.mode: unknown 'x'; allowed:
+    The one wording of every enum-like setting: ``attribution.protocol.mode: unknown 'x'; allowed:
     paper, hardened``."""
     allowed = tuple(allowed)
     if value not in allowed:
@@ -324,7 +324,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected key=value, e.g. attribution.M=5")
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. attribution.protocol.M=5")
         node = out
         parts = key.strip().split(".")
         for part in parts[:-1]:

@@ -17,6 +17,7 @@ class DataConfig:
     """Local .json/.jsonl (Alpaca or chat form) or a Hugging Face dataset id; empty: the
     embedded procedural corpus."""
     split: str = "train"
+    """The split of a Hugging Face dataset (``data.path`` a hub id); unused otherwise."""
     records: int = 2000
     """Records drawn for the clients (embedded corpus size, or a cap on a loaded file)."""
     partition: Literal["iid", "dirichlet", "quantity"] = "iid"
@@ -29,6 +30,8 @@ class DataConfig:
     max_len: int = 128
     """Longest training sequence in tokens."""
     seed: int = 0
+    """Seed of the records: the embedded corpus's draw (clients' and held-out records), a
+    loaded file's shuffle, and the partition among the clients."""
 
     def __post_init__(self) -> None:
         check_literal(self, "data")

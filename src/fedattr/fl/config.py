@@ -15,7 +15,9 @@ class FLConfig:
     """Federated training."""
 
     K: int = 10
+    """Clients in the federation, >= 3."""
     rounds: int = 5
+    """Federated rounds T, >= 1."""
     participation: float = 1.0
     """Fraction C/K of clients sampled each round."""
     strategy: str = "fedit"
@@ -24,6 +26,9 @@ class FLConfig:
     """Local training. The tiny default trains 2 epochs at peak LR 1e-3 (a from-scratch 2-layer
     model learns little in the paper's 1 epoch at 2e-4); the smollm2 preset uses 1 at 2e-4."""
     seed: int = 0
+    """Seed of the federation: which clients are watermarked (``watermark.r``) and which
+    differ (``clients``), the clients sampled each round, the adapters' initialisation and each
+    client's local training."""
     batched: bool = True
     """Train a round's clients together, in-process: one batched pass over the shared frozen
     base for every client, each with its own LoRA factors, data, optimizer, schedule and steps

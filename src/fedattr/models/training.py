@@ -18,11 +18,18 @@ class TrainSettings:
     """AdamW with linear warm-up then cosine decay, gradient accumulation over micro-batches."""
 
     epochs: int = 1
+    """Passes over the client's records, >= 1."""
     batch_size: int = 16
+    """Examples per optimizer step (a multiple of ``micro_batch_size``)."""
     micro_batch_size: int = 8
+    """Examples per forward pass; ``batch_size / micro_batch_size`` passes are
+    accumulated into one step."""
     lr: float = 2e-4
+    """Peak learning rate (AdamW), > 0."""
     warmup_ratio: float = 0.03
+    """Share of the steps spent warming the learning rate up linearly, in [0, 1)."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: run all epochs)."""
     group_by_length: bool = False

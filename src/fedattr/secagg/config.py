@@ -54,6 +54,7 @@ class SecAggConfig:
     """pairwise-mask only: chance that a member fails to answer a given query (simulated
     network failure, seeded); the query then fails and releases nothing."""
     seed: int = 0
+    """Seed of the simulated network failures (``dropout``)."""
     release_budget: float = 0.0
     """Release policy: 0 = none (the paper's protocol); > 0 = refuse any query that would make
     a client exactly recoverable or push its joint leakage over this many nats per dimension
