@@ -88,7 +88,7 @@ def test_reading_scorer_rejects_empty_inputs(reading_setup):
     keys = {"a": KGWScheme(1, len(tok))}
     with pytest.raises(ValueError, match="no owner keys"):
         KGWReadingScorer(model, texts, {}, _load)
-    with pytest.raises(ValueError, match="detect_prompts"):
+    with pytest.raises(ValueError, match=r"watermark\.detect\.prompts"):
         KGWReadingScorer(model, [], keys, _load)
 
 
