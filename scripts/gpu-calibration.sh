@@ -48,24 +48,7 @@ for part in "${parts[@]}"; do
     fi
 done
 
-# The two runs of a pair share the machine: half its cores each, unless FEDATTR_THREADS says.
-cores=$(nproc)
-export FEDATTR_THREADS=${FEDATTR_THREADS:-$((cores > 1 ? cores / 2 : 1))}
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-sets=(
-    --set watermark.ratio=0.2
-    --set secagg.backend=two-server
-    --set secagg.device=cpu
-    --set attribution.calibrated.null_keys=0
-)
-if [ "$preset" = smollm2 ]; then
-    data=${FEDATTR_DATA:-../shared/data/alpaca_5000.json}
-    if [ ! -f "$data" ]; then
-        echo "FEDATTR_DATA: no such file: $data (the Alpaca subset, alpaca_5000.json)" >&2
-        exit 2
-    fi
-    sets+=(--set "data.path=$data" --set data.records=1000 --set watermark.teacher.max_new_tokens=128)
-fi
+. "$(dirname "$0")/gpu-settings.sh"
 mkdir -p "$out"
 
 # The longest pair recorded so far (seconds), else FEDATTR_PAIR_S.

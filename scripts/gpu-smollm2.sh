@@ -31,27 +31,8 @@ shift
 preset=${FEDATTR_PRESET:-smollm2}
 limit=${FEDATTR_RUN_LIMIT:-520}
 python=${PYTHON:-python3}
-# The two runs share the machine: half its cores each, unless FEDATTR_THREADS says otherwise.
-cores=$(nproc)
-export FEDATTR_THREADS=${FEDATTR_THREADS:-$(( cores > 1 ? cores / 2 : 1 ))}
-# Two runs on one GPU: cached blocks handed back between stages are reusable by the other run.
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-sets=(
-    --set ceiling=true
-    --set watermark.ratio=0.2
-    --set secagg.backend=two-server
-    --set secagg.device=cpu
-    --set attribution.calibrated.null_keys=0
-)
-if [ "$preset" = smollm2 ]; then
-    data=${FEDATTR_DATA:-../shared/data/alpaca_5000.json}
-    if [ ! -f "$data" ]; then
-        echo "FEDATTR_DATA: no such file: $data (the Alpaca subset, alpaca_5000.json)" >&2
-        exit 2
-    fi
-    # 100 records a client (20 of them the owner's documents for a watermarked client).
-    sets+=(--set "data.path=$data" --set data.records=1000 --set watermark.teacher.max_new_tokens=128)
-fi
+. "$(dirname "$0")/gpu-settings.sh"
+sets=(--set ceiling=true "${sets[@]}")
 mkdir -p "$out"
 pids=()
 for r in 3 0; do
