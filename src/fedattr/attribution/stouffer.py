@@ -202,6 +202,27 @@ def build_report(
     return report
 
 
+def over_statistics(
+    best: ClientAttribution, rows: Sequence[ClientAttribution], S: int
+) -> ClientAttribution:
+    """One client's row over ``S`` statistics (owners): the numbers of ``best``, its strongest
+    row, with ``p`` (and the rank p) Bonferroni-adjusted over the ``S``; flagged when any row
+    is."""
+    return ClientAttribution(
+        id=best.id,
+        z=dict(best.z),
+        Z=best.Z,
+        p=min(1.0, S * best.p),
+        log10_p=min(0.0, math.log10(S) + best.log10_p),
+        flagged=any(r.flagged for r in rows),
+        watermarked=best.watermarked,
+        statistic=best.statistic,
+        p_rank=None if best.p_rank is None else min(1.0, S * best.p_rank),
+        tail=best.tail,
+        calibrated=best.calibrated,
+    )
+
+
 def combine_reports(reports: Sequence[AttributionReport]) -> AttributionReport:
     """One report over several statistics (e.g. several corpus owners' KGW keys).
 
@@ -222,18 +243,5 @@ def combine_reports(reports: Sequence[AttributionReport]) -> AttributionReport:
     by_id = [{c.id: c for c in r.clients} for r in reports]
     for cid in sorted(by_id[0]):
         rows = [b[cid] for b in by_id]
-        best = max(rows, key=lambda c: c.Z)
-        log10_p = min(0.0, math.log10(S) + best.log10_p)
-        out.clients.append(
-            ClientAttribution(
-                id=cid,
-                z=dict(best.z),
-                Z=best.Z,
-                p=min(1.0, S * best.p),
-                log10_p=log10_p,
-                flagged=any(c.flagged for c in rows),
-                watermarked=best.watermarked,
-                statistic=best.statistic,
-            )
-        )
+        out.clients.append(over_statistics(max(rows, key=lambda c: c.Z), rows, S))
     return out

@@ -22,7 +22,7 @@ from scipy.stats import norm
 from ...rows import Rows
 from ...watermarks.tail.laws import law_from_dict
 from ...watermarks.tail.methods import SHIFT_MAX_CELLS, Tail, shifted_keys_p
-from ..stouffer import AttributionReport, ClientAttribution
+from ..stouffer import AttributionReport, ClientAttribution, over_statistics
 
 SHIFTED_FLOOR = 0.01
 """The shifted-key test's p is read above ``level x`` this (see :func:`shifted`)."""
@@ -92,23 +92,7 @@ def report(
         if not rows:
             continue
         best = min(rows, key=lambda r: (r.log10_p, -r.Z))
-        log10_p = min(0.0, math.log10(S) + best.log10_p)
-        p_rank = None if best.p_rank is None else min(1.0, S * best.p_rank)
-        combined.clients.append(
-            ClientAttribution(
-                id=c,
-                z=dict(best.z),
-                Z=best.Z,
-                p=min(1.0, S * best.p),
-                log10_p=log10_p,
-                flagged=any(r.flagged for r in rows),
-                watermarked=watermarked,
-                statistic=best.statistic,
-                p_rank=p_rank,
-                tail=best.tail,
-                calibrated=best.calibrated,
-            )
-        )
+        combined.clients.append(over_statistics(best, rows, S))
     for rep in [combined, *components.values()]:
         rep.statistic, rep.alpha, rep.null_keys = "calibrated", alpha, null_keys
         rep.level = level
