@@ -306,3 +306,46 @@ def test_jobs_need_every_factor(micro_lm):
         model, [ClientJob(dict(start), examples[0], settings, 0)], tok.pad_token_id
     )
     assert result.steps == 1 and np.isfinite(result.loss)
+
+
+@pytest.mark.parametrize("strategy", ["fedit", "flora"])
+def test_a_client_with_no_usable_example_sends_a_zero_update_with_weight_zero(micro_lm, strategy):
+    """A shard whose every record is unusable (no token left to learn) no longer refuses the
+    run: its client takes part, learns nothing and weighs nothing, on either path."""
+    model, tok, examples = _adapted(micro_lm)
+    examples = [examples[0], [], examples[2], examples[3]]
+    start = adapter_state(model)
+    seen = []
+    for batched in (False, True):
+        load_state(model, start)
+        client = FedITClient() if strategy == "fedit" else FLoRAClient(scaling=2.0, seed=5)
+        pool = InProcessPool(
+            model, examples, client, SETTINGS, tok.pad_token_id, seed=5, batched=batched
+        )
+        assert pool.data_sizes()[1] == 0 and pool.scales([0, 1, 2, 3])[1] == 0.0
+        said: list[str] = []
+        sa = make_aggregator(SecAggConfig(backend="plaintext", min_members=2))
+        sa.open_round(1, [0, 1, 2, 3])
+        tap = pool.open_tap()
+        server = base_state(model) if strategy == "flora" else adapter_state(model)
+        losses = pool.train_round(
+            1, [0, 1, 2, 3], server, sa, pool.scales([0, 1, 2, 3]), Progress(said.append)
+        )
+        sa.close_round()
+        assert set(losses) == {0, 2, 3} and set(tap.updates) == {0, 1, 2, 3}
+        idle = tap.updates[1]  # FedIT: its factors' change; FLoRA: its merged B A (B is 0)
+        assert idle and all(torch.count_nonzero(v) == 0 for v in idle.values())
+        assert any("client 1: no usable example, sends a zero update" in m for m in said)
+        seen.append(losses)
+    assert seen[1] == pytest.approx(seen[0], rel=1e-5)
+
+
+def test_a_federation_where_no_client_has_a_usable_example_is_refused_in_one_line(micro_lm):
+    from fedattr.errors import UserError
+    from fedattr.flower.pool import FlowerPool
+
+    model, tok, _ = _adapted(micro_lm)
+    with pytest.raises(UserError, match=r"^data: no client has a usable training example"):
+        InProcessPool(model, [[], []], FedITClient(), SETTINGS, tok.pad_token_id)
+    with pytest.raises(UserError, match=r"^data: no client has a usable training example"):
+        FlowerPool(None, [0, 0])  # type: ignore[arg-type]

@@ -226,3 +226,11 @@ def test_training_grouped_by_length_learns(tiny_cache):
         model, trainable_lora_parameters(model), examples, settings, tok.pad_token_id, seed=1
     )
     assert again["loss"] < first["loss"]  # it keeps learning on the same data
+
+
+def test_sa_scales_give_a_client_without_data_weight_zero():
+    assert sa_scales([0, 3, 1]) == [0.0, 2.25, 0.75]
+    # A round whose participants hold nothing leaves the model as it is.
+    assert sa_scales([0, 0]) == [0.0, 0.0]
+    with pytest.raises(ValueError, match="sa_scales: data sizes must be >= 0"):
+        sa_scales([2, -1])

@@ -33,7 +33,11 @@ def sa_scales(sizes: Sequence[int]) -> list[float]:
     client submits its raw update (the FedAttr estimate is then ``Delta_i`` itself; otherwise
     it is the update weighted by the client's share of data, i.e. by its weight in the model).
     """
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"sa_scales: data sizes must be >= 0, got {list(sizes)}")
     total = float(sum(sizes))
-    if total <= 0:
-        raise ValueError("sa_scales: clients hold no data")
+    if total == 0:
+        # No participant holds a usable example: none has learned anything (each sends a
+        # zero update), and the round leaves the model as it is.
+        return [0.0] * len(sizes)
     return [len(sizes) * s / total for s in sizes]

@@ -60,8 +60,8 @@ class InProcessPool(ClientPool):
         batched: bool = False,
     ) -> None:
         sizes = [len(e) for e in examples]
-        if min(sizes) == 0:
-            raise UserError("data: a client has no usable training example; raise data.records")
+        if not sizes or max(sizes) == 0:
+            raise UserError("data: no client has a usable training example; raise data.records")
         self.model, self.examples, self.strategy = model, list(examples), strategy
         self.settings, self.pad_id, self.seed = settings, pad_id, seed
         self.profiles = profiles_of(profiles)
@@ -69,7 +69,9 @@ class InProcessPool(ClientPool):
             batched
             and strategy.trains_together
             and can_stack(model)
-            and worth_training_together(model, settings.micro_batch_size, self.examples)
+            and worth_training_together(
+                model, settings.micro_batch_size, [e for e in self.examples if e]
+            )
         )
         self._params = trainable_lora_parameters(model)
         self._sizes = sizes
@@ -104,7 +106,8 @@ class InProcessPool(ClientPool):
 
         def finish(c: int, stats: dict[str, float]) -> None:
             """Client ``c`` has trained (its factors are in the model): send its update."""
-            losses[c] = stats["loss"]
+            if stats["steps"]:
+                losses[c] = stats["loss"]
             if timing is not None:
                 timing.count("train_tokens", stats["tokens"])
                 timing.count("train_steps", stats["steps"])
@@ -121,12 +124,22 @@ class InProcessPool(ClientPool):
                 if self._tap is not None:
                     self._tap.updates[c] = {k: v.detach().float().cpu() for k, v in update.items()}
             note = " (dropped out)" if c in dropped else ""
-            steps.step(f"client {c} loss {stats['loss']:.3f}{note}")
+            if stats["steps"]:
+                steps.step(f"client {c} loss {stats['loss']:.3f}{note}")
+            else:
+                steps.step(f"client {c}: no usable example, sends a zero update{note}")
 
+        # A client with no usable example (a shard of prompts too long to leave a token to
+        # learn) takes part with nothing learned: a zero update, and its FedAvg weight is 0.
+        idle = [c for c in participants if not self.examples[c]]
+        for c in idle:
+            self.strategy.start(self.model, state, round_id, c)
+            finish(c, {"loss": float("nan"), "tokens": 0.0, "steps": 0.0})
+        training = [c for c in participants if self.examples[c]]
         if self.batched:
-            self._train_together(round_id, participants, state, finish)
+            self._train_together(round_id, training, state, finish)
         else:
-            for c in participants:
+            for c in training:
                 profile = self.profiles[c]
                 self.strategy.start(self.model, state, round_id, c)
                 stats = train(

@@ -98,11 +98,9 @@ class LLMClientNode:
         return encode_examples(self._tokenizer, self.records, self.data_cfg.max_len)
 
     def data_size(self) -> int:
-        """Usable training examples (the client's FedAvg weight)."""
-        n = len(self._examples())
-        if n == 0:
-            raise UserError("data: a client has no usable training example; raise data.records")
-        return n
+        """Usable training examples (the client's FedAvg weight; 0 for a shard with none, whose
+        client takes part with a zero update)."""
+        return len(self._examples())
 
     def train(self, round_id: int, state: State, scale: float) -> tuple[State, dict[str, float]]:
         """Local training from the global ``state``; returns the scaled update and
@@ -125,15 +123,18 @@ class LLMClientNode:
         model = self._adapted
         _, client = make_strategy(self.fl_cfg, self.lora_cfg)
         client.start(model, state, round_id, self.client_id)
-        stats = train(
-            model,
-            trainable_lora_parameters(model),
-            examples,
-            profile.settings(self.fl_cfg.train),
-            self._tokenizer.pad_token_id,
-            seed=train_seed(self.fl_cfg.seed, round_id, self.client_id),
-            stop_after=profile.steps,
-        )
+        if examples:
+            stats = train(
+                model,
+                trainable_lora_parameters(model),
+                examples,
+                profile.settings(self.fl_cfg.train),
+                self._tokenizer.pad_token_id,
+                seed=train_seed(self.fl_cfg.seed, round_id, self.client_id),
+                stop_after=profile.steps,
+            )
+        else:  # no usable example: nothing learned, a zero update (the in-process pool's too)
+            stats = {"loss": float("nan"), "tokens": 0.0, "steps": 0.0}
         update = client.update(model, state)
         if profile.update_scale != 1.0:  # as the in-process pool applies it: the same bits
             update = {k: v * profile.update_scale for k, v in update.items()}

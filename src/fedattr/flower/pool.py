@@ -21,6 +21,8 @@ class FlowerPool(ClientPool):
     round (the round goes on with the others)."""
 
     def __init__(self, link: FlowerLink, sizes: Sequence[int], send_state: bool = True) -> None:
+        if not sizes or max(sizes) == 0:
+            raise UserError("data: no client has a usable training example; raise data.records")
         self.link, self._sizes, self.send_state = link, list(sizes), send_state
 
     @property
