@@ -23,7 +23,9 @@ class DataConfig:
     partition: Literal["iid", "dirichlet", "quantity"] = "iid"
     """``iid``; ``dirichlet``: label skew, each category's records shared out by
     Dirichlet(``dirichlet_alpha``); ``quantity``: quantity skew, shard sizes by
-    Dirichlet(``dirichlet_alpha``), records dealt at random (every client at least one)."""
+    Dirichlet(``dirichlet_alpha``), records dealt at random (every client at least one; a client
+    whose records leave no token to learn within ``max_len`` takes part with a zero update and
+    FedAvg weight 0)."""
     dirichlet_alpha: float = 0.5
     """The Dirichlet concentration of ``partition = "dirichlet"`` and ``"quantity"`` (smaller:
     more skewed)."""
