@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import UserError
 from ..models.batched import (
     ClientJob,
     ClientResult,
@@ -20,8 +19,8 @@ from ..runtime import release_memory
 from ..secagg.aggregator import SecureAggregator
 from ..updates import scale_update
 from .clients import Profiles, profiles_of
-from .node import scaled_update, train_seed
-from .pool import ClientPool, PlaintextTap
+from .node import scaled_update, train_seed, untrained_stats
+from .pool import ClientPool, PlaintextTap, require_usable_examples
 from .progress import Progress
 from .strategy import ClientStrategy
 from .timing import Stopwatch
@@ -60,8 +59,7 @@ class InProcessPool(ClientPool):
         batched: bool = False,
     ) -> None:
         sizes = [len(e) for e in examples]
-        if not sizes or max(sizes) == 0:
-            raise UserError("data: no client has a usable training example; raise data.records")
+        require_usable_examples(sizes)
         self.model, self.examples, self.strategy = model, list(examples), strategy
         self.settings, self.pad_id, self.seed = settings, pad_id, seed
         self.profiles = profiles_of(profiles)
@@ -106,7 +104,8 @@ class InProcessPool(ClientPool):
 
         def finish(c: int, stats: dict[str, float]) -> None:
             """Client ``c`` has trained (its factors are in the model): send its update."""
-            if stats["steps"]:
+            trained = stats["steps"] > 0
+            if trained:
                 losses[c] = stats["loss"]
             if timing is not None:
                 timing.count("train_tokens", stats["tokens"])
@@ -124,7 +123,7 @@ class InProcessPool(ClientPool):
                 if self._tap is not None:
                     self._tap.updates[c] = {k: v.detach().float().cpu() for k, v in update.items()}
             note = " (dropped out)" if c in dropped else ""
-            if stats["steps"]:
+            if trained:
                 steps.step(f"client {c} loss {stats['loss']:.3f}{note}")
             else:
                 steps.step(f"client {c}: no usable example, sends a zero update{note}")
@@ -134,7 +133,7 @@ class InProcessPool(ClientPool):
         idle = [c for c in participants if not self.examples[c]]
         for c in idle:
             self.strategy.start(self.model, state, round_id, c)
-            finish(c, {"loss": float("nan"), "tokens": 0.0, "steps": 0.0})
+            finish(c, untrained_stats())
         training = [c for c in participants if self.examples[c]]
         if self.batched:
             self._train_together(round_id, training, state, finish)

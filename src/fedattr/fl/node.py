@@ -31,6 +31,12 @@ def scaled_update(update: State, scale: float) -> State:
     return {k: v.detach().float().cpu() * scale for k, v in update.items()}
 
 
+def untrained_stats() -> dict[str, float]:
+    """What ``train`` would report for a client with no usable example: nothing learned (its
+    update is zero), no loss."""
+    return {"loss": float("nan"), "tokens": 0.0, "steps": 0.0}
+
+
 def train_seed(run_seed: int, round_id: int, client_id: int) -> int:
     """The local-training seed of (run, round, client), wherever the client runs."""
     return run_seed * 100_003 + round_id * 101 + client_id
@@ -134,7 +140,7 @@ class LLMClientNode:
                 stop_after=profile.steps,
             )
         else:  # no usable example: nothing learned, a zero update (the in-process pool's too)
-            stats = {"loss": float("nan"), "tokens": 0.0, "steps": 0.0}
+            stats = untrained_stats()
         update = client.update(model, state)
         if profile.update_scale != 1.0:  # as the in-process pool applies it: the same bits
             update = {k: v * profile.update_scale for k, v in update.items()}

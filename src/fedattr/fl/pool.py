@@ -21,6 +21,14 @@ from .progress import Progress
 from .timing import Stopwatch
 
 
+def require_usable_examples(sizes: Sequence[int]) -> None:
+    """Refuse, in one line, a federation in which no client has a usable training example
+    (a client without one takes part with a zero update and weight 0; all of them, nothing
+    would be learned)."""
+    if not sizes or max(sizes) == 0:
+        raise UserError("data: no client has a usable training example; raise data.records")
+
+
 class PlaintextTap:
     """The last trained round's plaintext client updates, for baselines that read them.
 

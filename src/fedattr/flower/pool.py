@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import UserError
-from ..fl.pool import ClientPool
+from ..fl.pool import ClientPool, require_usable_examples
 from ..fl.progress import Progress
 from ..fl.timing import Stopwatch
 from ..secagg.aggregator import SecureAggregator
@@ -21,8 +21,7 @@ class FlowerPool(ClientPool):
     round (the round goes on with the others)."""
 
     def __init__(self, link: FlowerLink, sizes: Sequence[int], send_state: bool = True) -> None:
-        if not sizes or max(sizes) == 0:
-            raise UserError("data: no client has a usable training example; raise data.records")
+        require_usable_examples(sizes)
         self.link, self._sizes, self.send_state = link, list(sizes), send_state
 
     @property
