@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -19,10 +20,14 @@ class ProtocolConfig:
     """How each target's estimate is asked of secure aggregation: the subset design, the mode
     and the SA queries."""
 
-    mode: Literal["paper", "hardened"] = "paper"
+    mode: Literal["paper", "hardened", "sealed"] = "paper"
     """``paper``: 2M subset-sum queries per target, every target every round (as published).
     ``hardened``: one fused query per target, and only targets the SA release policy admits
-    (rotating, seeded order); the statistic reads each client's targeted rounds only."""
+    (rotating, seeded order); the statistic reads each client's targeted rounds only.
+    ``sealed``: no subset sum at all; each update is held as additive shares by two
+    non-colluding servers, which read its first-order change on their shares and open only
+    the round's aggregate and, at the end, each (client, owner)'s verdict statistics to that
+    owner (``[attribution.sealed]``, :mod:`fedattr.attribution.sealed`)."""
     N: int = 5
     """Size of the V-subsets (U-subsets have N+1 members)."""
     M: int = 5
@@ -204,6 +209,48 @@ class PaperConfig:
 
 
 @dataclass
+class SealedConfig:
+    """The sealed mode (``attribution.protocol.mode = "sealed"``): what the shares and the
+    verdict's openings are made of (:mod:`fedattr.attribution.sealed`)."""
+
+    mask_scale: float = 100.0
+    """Each client's reading shares are ``(u + R, -R)``, ``R`` Gaussian with a standard
+    deviation per coordinate of ``mask_scale`` times the root mean square of the round's
+    reference adapter (public, never of an update), so a server's share is the update under
+    noise that much larger than the model's own factors. Larger hides more; the first-order
+    reading of a share is exact to float32 rounding, ``1e-7 x mask_scale`` of the update's
+    reading, so above ~1e4 that rounding is noise in every change (key-free: the verdict's
+    level is kept, its power is not)."""
+    random_keys: int = 0
+    """Random keys (exact draws of the owners' key law) against which each owner's value is
+    ranked: the p-value is ``(1 + #{keys reading at least as high}) / (random_keys + 1)``,
+    exact at any number. 0: the smallest ``2^n - 1`` whose resolution reaches the family-wise
+    level ``alpha / (clients x owners)`` (4,095 for 10 clients and 3 owners). The owner sees
+    this many values per client, linear in the client's summed change."""
+    frac_bits: int = 32
+    """Fixed-point fractional bits of the changes' ring shares in the owner-key inner products
+    (Beaver triples), in 16..40."""
+
+    def __post_init__(self) -> None:
+        key = "attribution.sealed"
+        scale = self.mask_scale
+        if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
+            raise DesignError(f"{key}.mask_scale: must be a number > 0, got {scale!r}")
+        keys = self.random_keys
+        if not isinstance(keys, int) or isinstance(keys, bool) or keys < 0:
+            raise DesignError(f"{key}.random_keys: must be an integer >= 0 (0: auto), got {keys!r}")
+        bits = self.frac_bits
+        if not isinstance(bits, int) or isinstance(bits, bool) or not 16 <= bits <= 40:
+            raise DesignError(f"{key}.frac_bits: must be an integer in 16..40, got {bits!r}")
+
+    def keys_for(self, level: float) -> int:
+        """The random keys a verdict at per-pair ``level`` reads (``random_keys``, or auto)."""
+        if self.random_keys:
+            return self.random_keys
+        return (1 << max(4, math.ceil(math.log2(1.0 / level)))) - 1
+
+
+@dataclass
 class AttributionConfig:
     """FedAttr: which statistic reads the estimates and where it runs, with a section per
     concern: the SA query protocol (``protocol``), the calibrated statistic (``calibrated``) and
@@ -263,9 +310,19 @@ class AttributionConfig:
     """Read where ``statistic = "calibrated"`` (the default)."""
     paper: PaperConfig = field(default_factory=PaperConfig)
     """Read where ``statistic = "paper"``; its ``threshold`` is also the baselines' rule."""
+    sealed: SealedConfig = field(default_factory=SealedConfig)
+    """Read where ``protocol.mode = "sealed"``."""
 
     def __post_init__(self) -> None:
         check_literal(self, "attribution", DesignError)
+        if self.protocol.mode == "sealed" and (
+            self.statistic != "calibrated" or self.scoring != "server" or self.overlap
+        ):
+            raise DesignError(
+                "attribution.protocol.mode=sealed: needs statistic=calibrated, scoring=server "
+                f"and overlap=false (got statistic={self.statistic!r}, "
+                f"scoring={self.scoring!r}, overlap={self.overlap!r})"
+            )
         if self.scoring == "owner" and self.statistic != "calibrated":
             # refused with the settings, not once the run has reached its first round
             raise DesignError(

@@ -86,6 +86,36 @@ def load_state(peft_model, state: dict[str, torch.Tensor]) -> None:
             target.copy_(value.to(target.dtype))
 
 
+@contextmanager
+def dual_adapters(peft_model, tangent: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Inside an open ``torch.autograd.forward_ad.dual_level``: every LoRA factor named in
+    ``tangent`` (keys as in :func:`adapter_state`) carries that tangent, so a forward pass
+    also computes its directional derivative along ``tangent`` at the model's factors
+    (forward-mode AD: one pass, no graph kept). The model's own parameters are put back on
+    exit. Attention must run in a kernel with forward AD (PyTorch's math kernel: see
+    :func:`fedattr.models.reading.forward_ad_attention`)."""
+    import torch.autograd.forward_ad as fwAD
+
+    layers = lora_layers(peft_model)
+    swapped: list[tuple[torch.nn.Module, torch.Tensor]] = []
+    try:
+        for key, value in tangent.items():
+            module, _, kind = key.rpartition(".")
+            layer = layers.get(module)
+            if layer is None or kind not in ("lora_A", "lora_B"):
+                raise KeyError(f"tangent: no LoRA factor named {key!r}")
+            linear = getattr(layer, kind)["default"]
+            weight = linear._parameters["weight"]
+            dual = fwAD.make_dual(weight.detach(), value.to(weight.device, weight.dtype))
+            swapped.append((linear, weight))
+            # A plain tensor in the parameter's slot: nn.Linear reads self.weight from there.
+            linear._parameters["weight"] = dual
+        yield
+    finally:
+        for linear, weight in swapped:
+            linear._parameters["weight"] = weight
+
+
 def merged_delta(adapters: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
     """``scaling * B @ A`` per module, named ``{module}.weight`` (the FLoRA update space)."""
     out = {}

@@ -12,12 +12,24 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 
 from .text import padded
+
+
+@contextmanager
+def forward_ad_attention() -> Iterator[None]:
+    """Scaled-dot-product attention in PyTorch's math kernel, which forward-mode AD goes
+    through (the fused CPU flash kernel has no forward derivative); the same values up to
+    float rounding."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
 
 
 def length_batches(

@@ -167,6 +167,17 @@ class RunConfig:
             )
         self.secagg = harden(self.attribution, self.secagg, n)
         for name, a in self.attribution_variants().items():  # validated before any work
+            key = "attribution" if name == "fedattr" else f"variants ({name})"
+            if a.protocol.mode == "sealed" and (
+                self.fl.strategy != "fedit" or wm.kind != "kgw" or wm.detector != "reading"
+            ):
+                raise ConfigError(
+                    f"{key}.protocol.mode=sealed: needs fl.strategy=fedit (FLoRA's global "
+                    "model stacks every client's factors, so each update is public by "
+                    "construction) and watermark.kind=kgw with watermark.detector=reading (the "
+                    f"detector read to first order); got fl.strategy={self.fl.strategy!r}, "
+                    f"watermark.kind={wm.kind!r}, watermark.detector={wm.detector!r}"
+                )
             if a.statistic == "calibrated" and self.watermark.detector == "greedy":
                 key = "attribution" if name == "fedattr" else f"variants ({name})"
                 raise ConfigError(

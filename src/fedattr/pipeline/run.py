@@ -26,6 +26,7 @@ from ..attribution.export import ExportObserver
 from ..attribution.observer import AttributionObserver, CeilingObserver
 from ..attribution.protocol import FedAttr
 from ..attribution.scoring import LinearScorer, scorer_null
+from ..attribution.sealed import SealedObserver
 from ..attribution.stouffer import AttributionReport
 from ..baselines import BaselineRecorder, BaselineResult
 from ..baselines.observer import BaselineObserver
@@ -241,6 +242,8 @@ def _finish(
         report = primary.fedattr.report(truth)
     if announce is not None:
         announce(f"final verdicts: {time.perf_counter() - start:.1f} s")
+    if isinstance(primary, SealedObserver):
+        details = {**details, "sealed": primary.summary()}
     timing: dict[str, Any] = dict(engine.timing.seconds)
     timing["total_s"] = engine.timing.elapsed()
     timing["overhead"] = overhead(timing)
@@ -408,6 +411,21 @@ def run_experiment(
         else:
             scorer = scorer_for(wm.detector)
         observers = list(_observers(variants, scorer, fed.owner_of, background))
+        for k, (name, a) in enumerate(variants.items()):
+            if a.protocol.mode == "sealed":
+                # No SA query: each update read as shares by two servers (a simulation's
+                # clients split what the pool holds, as they would before sending).
+                observers[k] = SealedObserver(
+                    a,
+                    scorer,
+                    pool.open_tap(),
+                    pool.scales,
+                    cfg.secagg.min_members,
+                    name,
+                    primary=(k == 0),
+                    marked=fed.owner_of,
+                    folder=None if folder is None else folder.path,
+                )
         if cfg.ceiling:
             # Reads the plaintext updates (as the baselines do): a simulation's measurement.
             ceiling = CeilingObserver(
@@ -497,6 +515,11 @@ def run_demo(
     """The synthetic federation through SA and FedAttr (no language model); ``pool`` and
     ``sa`` as in :func:`run_experiment`."""
     cfg = config or DemoConfig()
+    if any(a.protocol.mode == "sealed" for a in cfg.attribution_variants().values()):
+        raise UserError(
+            "attribution.protocol.mode=sealed: runs a language model's detector read to first "
+            "order; the synthetic demo has none (allowed here: paper, hardened)"
+        )
     syn = cfg.synthetic
     synthetic = SyntheticPool(syn)
     observers = _observers(

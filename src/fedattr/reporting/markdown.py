@@ -83,7 +83,18 @@ def attribution_table(report: AttributionReport) -> str:
             "owners. z: each round's statistic (unit variance under the null); Z: the sum's, "
             "for reading only (the verdict reads p)"
         )
-        if report.null_keys:
+        sealed = any(c.tail == "random-keys" for c in report.clients)
+        if sealed:
+            rule = (
+                "sealed mode: each client's summed first-order change, held as two servers' "
+                "shares, read with the owner's key and with "
+                f"{report.null_keys} random keys of the same law; p = the owner key's rank "
+                "among them (exact; Bonferroni over owners); named when p < α/K = "
+                f"{p_value((report.alpha or 0) / K)}, family-wise α = {report.alpha} over "
+                "clients × owners. Z: the owner's value against the random keys' mean and "
+                "spread, for reading only"
+            )
+        elif report.null_keys:
             floor = max(1, len(report.components)) / (report.null_keys + 1)
             rule += f". Rank p: the same change read with {report.null_keys} random keys, a check"
             if floor >= (report.alpha or 0) / K:

@@ -114,6 +114,14 @@ class KGWDocumentScorer:
             for joint in self.reads.observe_many(many)
         ]
 
+    def first_order(self, params: dict, tangents: Sequence[dict]) -> list[dict[str, torch.Tensor]]:
+        """Per tangent: its first-order change at ``params``, one part per owner (every owner's
+        documents in one read; :meth:`ContextReads.first_order`)."""
+        return [
+            {o: joint[lo:hi] for o, (lo, hi) in self.spans.items()}
+            for joint in self.reads.first_order(params, tangents)
+        ]
+
     def contrast(self, reference: Observation, candidate: Observation) -> dict[str, float]:
         """Each owner's z of the green mass moved on its own documents."""
         out: dict[str, float] = {}

@@ -20,7 +20,7 @@ on a CUDA device, on the GPU and the draw's shape).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -121,3 +121,58 @@ class RandomGreenLists:
             with ThreadPoolExecutor(max(1, min(self._parallel, chunks))) as pool:
                 out = list(pool.map(chunk_sums, range(chunks)))
         return torch.cat(out, dim=1).double()
+
+
+class RandomSubsetKeys:
+    """``n`` random keys of exactly the owners' law: every row (context) an independent
+    uniform ``m``-subset of its ``cols`` columns (tokens), as a KGW key's green lists are under
+    a random secret. Read against an owner's key they are exchangeable with it under the null,
+    so the rank of the owner's value among theirs is an exact p-value at any ``n`` (the
+    Bernoulli masks of :class:`RandomGreenLists` match the law only to a factor
+    ``V / (V - 1)`` in variance).
+
+    Each chunk of 16 keys comes from its own seeded generator (the same keys whenever they are
+    drawn, by any party); nothing is kept between calls. A change over fewer rows is read by
+    the keys' first rows (still independent uniform subsets, row by row), so changes over
+    several owners' documents are read in one draw (:meth:`values_many`)."""
+
+    def __init__(self, n: int, seed: int, rows: int, cols: int, m: int) -> None:
+        if n < 1:
+            raise ValueError(f"random keys: n must be >= 1, got {n}")
+        if not 1 <= m < cols:
+            raise ValueError(f"random keys: need 1 <= m < cols, got m={m}, cols={cols}")
+        self.n, self.seed, self.rows, self.cols, self.m = n, seed, rows, cols, m
+
+    def _chunk(self, index: int) -> torch.Tensor:
+        """Chunk ``index``'s masks, ``[keys, rows, cols]`` float64."""
+        keys = min(_CHUNK, self.n - index * _CHUNK)
+        gen = torch.Generator().manual_seed((self.seed * 1_000_033 + index) % (1 << 63))
+        u = torch.rand((keys, self.rows, self.cols), generator=gen)
+        picks = u.topk(self.m, dim=-1, sorted=False).indices
+        mask = torch.zeros((keys, self.rows, self.cols), dtype=torch.float64)
+        return mask.scatter_(-1, picks, 1.0)
+
+    def values_many(self, changes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """For each ``[batch, rows_j * cols]`` block of flat changes (``rows_j <= rows``):
+        ``[batch, n]`` float64, ``<change, key_k>`` read by the keys' first ``rows_j`` rows;
+        every key drawn once for all blocks."""
+        blocks = []
+        for c in changes:
+            rows, rest = divmod(c.shape[1], self.cols) if c.dim() == 2 else (0, 1)
+            if rest or not 0 < rows <= self.rows:
+                raise ValueError(
+                    f"changes: expected [batch, rows * {self.cols}] with rows <= {self.rows}, "
+                    f"got {tuple(c.shape)}"
+                )
+            blocks.append((c.double().cpu(), rows))
+        out: list[list[torch.Tensor]] = [[] for _ in blocks]
+        for index in range((self.n + _CHUNK - 1) // _CHUNK):
+            mask = self._chunk(index)
+            for j, (values, rows) in enumerate(blocks):
+                out[j].append(values @ mask[:, :rows].reshape(len(mask), -1).T)
+        return [torch.cat(o, dim=1) for o in out]
+
+    def values(self, changes: torch.Tensor) -> torch.Tensor:
+        """``[batch, n]`` float64: ``<change, key_k>`` for every flat change of ``[batch,
+        rows * cols]`` and key."""
+        return self.values_many([changes])[0]

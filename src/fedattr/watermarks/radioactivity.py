@@ -17,8 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..models.lora import folded_adapters
-from ..models.reading import length_batches, logits_at, output_layer
+from ..models.lora import dual_adapters, folded_adapters
+from ..models.reading import forward_ad_attention, length_batches, logits_at, output_layer
 from ..models.text import Example, generate, padded
 from .kgw import KGWDetector, KGWScheme
 from .nullkeys import RandomGreenLists
@@ -188,9 +188,27 @@ class ContextReads:
                 out.extend(self._read(count))
         return out
 
-    def _read(self, count: int) -> list[torch.Tensor]:
+    @torch.no_grad()
+    def first_order(self, params: dict, tangents: Sequence[dict]) -> list[torch.Tensor]:
+        """For each tangent ``u`` (LoRA factors named as ``params``' keys): the directional
+        derivative of :meth:`observe` at ``params`` along ``u``, ``d/ds observe(params + s u)``
+        at ``s = 0`` (``[contexts, vocab]``, float32), by forward-mode AD. Linear in ``u``:
+        the first-order change ``u`` makes, whatever its size (additive shares of an update
+        read one by one add up to the update's own; see :mod:`fedattr.attribution.sealed`)."""
+        import torch.autograd.forward_ad as fwAD
+
+        self.load(self.model, params)
+        out = []
+        with fwAD.dual_level(), forward_ad_attention():
+            for tangent in tangents:
+                with dual_adapters(self.model, tangent):
+                    out.append(self._read(1, tangent=True)[0])
+        return out
+
+    def _read(self, count: int, tangent: bool = False) -> list[torch.Tensor]:
         """The plan read by the model as it stands, each batch repeated ``count`` times
-        candidate-major (inside a stacked context: one row block per candidate)."""
+        candidate-major (inside a stacked context: one row block per candidate). ``tangent``:
+        the distributions' forward-mode tangents instead (inside :meth:`first_order`)."""
         was_training = self.model.training
         self.model.eval()
         device = next(self.model.parameters()).device
@@ -211,6 +229,12 @@ class ContextReads:
                 # Renormalised over the tokenizer's vocabulary (heads may be padded beyond
                 # it), so that every row of a change sums to zero.
                 probs = torch.softmax(logits[:, : self.vocab].float(), dim=-1)
+                if tangent:
+                    import torch.autograd.forward_ad as fwAD
+
+                    probs = fwAD.unpack_dual(probs).tangent
+                    if probs is None:  # the tangent reaches nothing read: no change
+                        probs = torch.zeros_like(logits[:, : self.vocab], dtype=torch.float32)
                 groups = b.groups.to(device)
                 for c, block in enumerate(probs.split(len(b.rows))):
                     out[c].index_add_(0, groups, block)
@@ -355,6 +379,12 @@ class KGWReadingScorer:
         """``D = A(candidate) - A(reference)`` (``[contexts, vocab]``): every owner's green mass
         moved is ``<D, green>``, linear in the key."""
         return {"probes": (candidate - reference).float()}
+
+    def first_order(self, params: dict, tangents: Sequence[dict]) -> list[dict[str, torch.Tensor]]:
+        """Per tangent: the first-order change it makes at ``params`` (:meth:`change` of
+        ``params + s u`` against ``params``, divided by ``s``, as ``s -> 0``), per part;
+        linear in the tangent (:meth:`ContextReads.first_order`)."""
+        return [{"probes": d} for d in self.reads.first_order(params, tangents)]
 
     def reference_probabilities(self, reference: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each cell's mean next-token probability under the reference: ``A[x] / |A[x]|``

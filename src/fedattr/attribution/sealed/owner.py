@@ -1,0 +1,125 @@
+"""The owners' side of the sealed verdict: what each owner receives, and its exact p-value.
+
+Per client, an owner receives ``s_o = <W_i, G_owner>`` (from the Beaver inner product on the
+servers' ring shares) and ``s_k = <W_i, G_k>`` for ``n`` public random keys drawn from the
+owners' own key law (each server's share added). Under the null (a change that depends on no
+key, or only through forgetting what a reference learned, which reads against the key) the
+owner's key is exchangeable with the random ones, so the rank
+
+    p = (1 + #{k : s_k >= s_o - tol}) / (n + 1)
+
+is an exact p-value (``tol`` covers the fixed-point rounding of ``s_o``, ``frac_bits``: it can
+only make ``p`` larger). A client is named for an owner when ``p < alpha / (clients x owners)``:
+family-wise level ``alpha`` over every (client, owner) pair.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ...secagg.beaver import decode
+from ..stouffer import AttributionReport, ClientAttribution, over_statistics
+
+
+@dataclass
+class OwnerOpenings:
+    """What the owners hold at the end, per owner: every client's value under its own key,
+    under the public random keys of its part, and the rounding tolerance of the former."""
+
+    clients: list[int]
+    keys: int
+    owner: dict[str, np.ndarray] = field(default_factory=dict)
+    random: dict[str, np.ndarray] = field(default_factory=dict)
+    """Owner -> ``[clients, keys]`` float64."""
+    tolerance: dict[str, float] = field(default_factory=dict)
+
+    def add_owner(
+        self,
+        name: str,
+        ring_sum: torch.Tensor,
+        random: torch.Tensor,
+        key_cells: int,
+        frac_bits: int,
+    ) -> None:
+        """Owner ``name``'s values (the two servers' ring shares added), its random-key values
+        and its tolerance: each of its key's cells rounds two shares by at most ``2^-frac``
+        (half a unit each)."""
+        self.owner[name] = decode(ring_sum, frac_bits).numpy()
+        self.random[name] = random.numpy()
+        self.tolerance[name] = key_cells * 2.0 ** (-frac_bits)
+
+    def p_values(self, name: str) -> np.ndarray:
+        """Each client's rank p under owner ``name``'s key."""
+        values, null = self.owner[name], self.random[name]
+        # Plus a float64 sum's own rounding, far below the spread of any real change.
+        slack = self.tolerance[name] + 1e-12 * np.abs(null).max(initial=1.0)
+        above = (null >= (values - slack)[:, None]).sum(axis=1)
+        return (1.0 + above) / (null.shape[1] + 1.0)
+
+
+def sealed_report(
+    openings: OwnerOpenings,
+    truth: Mapping[int, bool] | None,
+    alpha: float,
+    level: float,
+) -> AttributionReport:
+    """The verdict from the owners' openings: rank p per (client, owner), named below
+    ``level``; the combined row per client Bonferroni-adjusted over owners."""
+    owners = sorted(openings.owner)
+    S = max(1, len(owners))
+    threshold = math.sqrt(2.0) * float(_erfcinv(2.0 * level))
+    components = {o: AttributionReport(gamma=threshold) for o in owners}
+    combined = AttributionReport(gamma=threshold, components=components)
+    index = {c: i for i, c in enumerate(openings.clients)}
+    p = {o: openings.p_values(o) for o in owners}
+    for c in sorted(set(openings.clients) | set(truth or {})):
+        watermarked = None if truth is None else bool(truth.get(c, False))
+        rows = []
+        for o in owners:
+            i = index.get(c)
+            if i is None:
+                row = ClientAttribution(
+                    id=c, z={}, Z=0.0, p=1.0, log10_p=0.0, flagged=False,
+                    watermarked=watermarked, statistic=o, tail="random-keys",
+                )  # fmt: skip
+            else:
+                value, null = float(openings.owner[o][i]), openings.random[o][i]
+                sd = float(null.std()) if null.size > 1 else 0.0
+                mid = float(null.mean()) if null.size else 0.0
+                pv = float(p[o][i])
+                row = ClientAttribution(
+                    id=c,
+                    z={},
+                    Z=(value - mid) / sd if sd > 0 else 0.0,
+                    p=pv,
+                    log10_p=math.log10(pv),
+                    flagged=pv < level,
+                    watermarked=watermarked,
+                    statistic=o,
+                    p_rank=pv,
+                    tail="random-keys",
+                )
+            components[o].clients.append(row)
+            rows.append(row)
+        if rows:
+            best = min(rows, key=lambda r: (r.log10_p, -r.Z))
+            combined.clients.append(over_statistics(best, rows, S))
+    for rep in [combined, *components.values()]:
+        rep.statistic, rep.alpha, rep.null_keys, rep.level = (
+            "calibrated",
+            alpha,
+            openings.keys,
+            level,
+        )
+    return combined
+
+
+def _erfcinv(y: float) -> float:
+    from scipy.special import erfcinv
+
+    return float(erfcinv(y))

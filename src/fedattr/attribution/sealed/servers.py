@@ -1,0 +1,104 @@
+"""The two reading servers of the sealed mode: each holds one additive share of every update
+and reads it, and its running sum of first-order changes, without ever holding an update.
+
+A detector whose change is linear in the key offers its *first-order* reading
+(``first_order(reference, tangents)``: the change ``d/ds change(reference, reference + s u)`` at
+``s = 0``, by forward-mode AD), a linear map ``J`` of the update at the public reference. So
+``J(u + R) + J(-R) = J(u)``: each server reads its own share, and the two readings add up to
+the client's. What a server keeps of a client is its share of ``W_i = sum_t (J_t u_it - C_t) /
+s_t`` (public taper weights, rows centred, round 1 centred on the aggregate's change ``C_1``,
+each round divided by the aggregate's null scale ``s_t``: all public). At the end it gives the
+owners its share of every client's values under public random keys, and enters the owner-key
+inner products (Beaver triples) with its ring share of ``W_i``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...secagg.beaver import encode
+from ...secagg.sealed import ShareServer
+from ...updates import UpdateLayout
+from ...watermarks.nullkeys import RandomSubsetKeys
+from ...watermarks.tail.laws import KeyLaw
+
+Parts = dict[str, torch.Tensor]
+"""Part -> a flat change (float64)."""
+Read = Callable[[Any, Sequence[Mapping[str, torch.Tensor]]], list[Parts]]
+"""``read(reference, tangents)``: each tangent's first-order change per part, flat (see
+:func:`first_order_parts`)."""
+
+
+def first_order_parts(scorer: Any) -> Read:
+    """``scorer``'s first-order reading, each part's change flat (float64)."""
+
+    def read(reference: Any, tangents: Sequence[Mapping[str, torch.Tensor]]) -> list[Parts]:
+        return [
+            {part: d.double().reshape(-1) for part, d in change.items()}
+            for change in scorer.first_order(reference, tangents)
+        ]
+
+    return read
+
+
+class ReadingServer:
+    """One server: the round's shares (a :class:`~fedattr.secagg.sealed.ShareServer`, which
+    opens only sums over ``min_members`` clients) and its share of every client's summed
+    change, per part."""
+
+    def __init__(self, label: str, min_members: int, laws: Mapping[str, KeyLaw]) -> None:
+        self.label = label
+        self.shares = ShareServer(label, min_members)
+        self.laws = dict(laws)
+        self.W: dict[int, Parts] = {}
+        """Client -> part -> this server's share of its summed change (float64, flat)."""
+        self.reads = 0
+        """First-order reads of shares over the run."""
+
+    def read_round(
+        self,
+        read: Read,
+        reference: Any,
+        layout: UpdateLayout,
+        weights: Mapping[str, torch.Tensor],
+        centre: Mapping[str, torch.Tensor] | None,
+        scale: Mapping[str, float],
+    ) -> None:
+        """Read every share of the round (at ``reference``); per part weigh, centre rows,
+        subtract the public ``centre`` (server A only: a public constant belongs to one
+        share) and add ``/ scale`` to the client's running sum."""
+
+        def changes(shares: list[np.ndarray]) -> list[Parts]:
+            return read(reference, [layout.unflatten(s) for s in shares])
+
+        for client, parts in self.shares.apply(changes).items():
+            self.reads += 1
+            sums = self.W.setdefault(client, {})
+            for part, change in parts.items():
+                if part in weights:
+                    change = change * weights[part]
+                change = self.laws[part].centre(change).reshape(-1)
+                if centre is not None and self.label == "A":
+                    change = change - centre[part]
+                sums[part] = sums.get(part, 0.0) + change / scale[part]
+
+    def key_values(self, part: str, keys: RandomSubsetKeys, clients: Sequence[int]) -> torch.Tensor:
+        """This server's share of ``<W_i, key_k>`` over ``part`` for the public random keys:
+        ``[clients, keys]`` float64 (sent to the owners)."""
+        return keys.values(torch.stack([self.W[c][part] for c in clients]))
+
+    def ring_shares(self, part: str, clients: Sequence[int], frac_bits: int) -> torch.Tensor:
+        """This server's share of every ``W_i`` over ``part`` in the ring (fixed point), for
+        the owner-key inner products."""
+        return encode(torch.stack([self.W[c][part] for c in clients]), frac_bits)
+
+    def state(self) -> dict:
+        return {"W": {str(c): w for c, w in self.W.items()}, "reads": self.reads}
+
+    def load(self, state: Mapping) -> None:
+        self.W = {int(c): dict(w) for c, w in state["W"].items()}
+        self.reads = int(state["reads"])
