@@ -83,6 +83,11 @@ def check_settings(cfg: Any, command: str) -> None:
             "fl.clients[].drop: simulated dropouts are for in-process runs; on Flower a node "
             "that misses the timeout is a dropout; allowed: 0"
         )
+    if any(a.protocol.mode == "sealed" for a in cfg.attribution_variants().values()):
+        raise UserError(
+            "attribution.protocol.mode=sealed: runs in process only (the Flower runtime does "
+            "not carry the clients' reading shares yet); allowed on Flower: paper, hardened"
+        )
     if command == "run" and cfg.baselines:
         raise UserError(
             "baselines: they read plaintext client updates, which Flower clients never send; "

@@ -332,6 +332,13 @@ def run_experiment(
     runtime's clients and their aggregator, e.g. :mod:`fedattr.flower`); the server side here
     still builds the federation for its ground truth, the owners' keys and detection data.
     """
+    if pool is not None and any(
+        a.protocol.mode == "sealed" for a in cfg.attribution_variants().values()
+    ):
+        raise UserError(
+            "attribution.protocol.mode=sealed: runs in process only (the Flower runtime does "
+            "not carry the clients' reading shares yet); allowed on Flower: paper, hardened"
+        )
     say = Progress(progress)
     note = take_note()
     if note:

@@ -108,6 +108,8 @@ class SealedObserver(Observer):
         self.aggregates: list[np.ndarray] = []
         self._report: AttributionReport | None = None
         self.openings: dict[str, Any] = {}
+        self.owner_openings: OwnerOpenings | None = None
+        """What the owners received (after the verdict)."""
 
     # -- every round ----------------------------------------------------------------------
 
@@ -125,7 +127,7 @@ class SealedObserver(Observer):
             self.servers[1].shares.receive(c, share_b)
             self._observe_attack(c, flat, share_a)
         # The servers open the round's aggregate only (what federated learning needs).
-        total = sum(s.shares.total(answered) for s in self.servers)
+        total = self.servers[0].shares.total(answered) + self.servers[1].shares.total(answered)
         mean = total / len(answered)
         self.aggregates.append(mean)
         expected = layout.flatten(ctx.mean_update)
@@ -242,10 +244,12 @@ class SealedObserver(Observer):
                 (z0, z1), _ = shared_inner_products((ring[0], ring[1]), key, dealer)
                 openings.add_owner(owner, z0 + z1, random, int(G.sum()), frac)
         self.openings = {
+            "cells": {o: int(self.servers[0].W[clients[0]][keys_of[o][0]].numel()) for o in owners},
             "random_keys": n_keys,
             "triples_dealt": dealer.dealt,
             "seconds": time.perf_counter() - t0,
         }
+        self.owner_openings = openings
         self._report = sealed_report(openings, truth, self.config.calibrated.alpha, level)
         self._write_parties(clients, sorted(keys_of), n_keys)
         return self._report

@@ -28,7 +28,7 @@ from ...watermarks.tail.laws import KeyLaw
 
 Parts = dict[str, torch.Tensor]
 """Part -> a flat change (float64)."""
-Read = Callable[[Any, Sequence[Mapping[str, torch.Tensor]]], list[Parts]]
+Read = Callable[[Any, Sequence[Any]], list[Parts]]
 """``read(reference, tangents)``: each tangent's first-order change per part, flat (see
 :func:`first_order_parts`)."""
 
@@ -36,7 +36,7 @@ Read = Callable[[Any, Sequence[Mapping[str, torch.Tensor]]], list[Parts]]
 def first_order_parts(scorer: Any) -> Read:
     """``scorer``'s first-order reading, each part's change flat (float64)."""
 
-    def read(reference: Any, tangents: Sequence[Mapping[str, torch.Tensor]]) -> list[Parts]:
+    def read(reference: Any, tangents: Sequence[Any]) -> list[Parts]:
         return [
             {part: d.double().reshape(-1) for part, d in change.items()}
             for change in scorer.first_order(reference, tangents)

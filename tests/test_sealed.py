@@ -1,0 +1,366 @@
+"""The sealed mode: shares, Beaver inner products, exact random keys, the owners' rank p, the
+first-order reading of shares, each party's view, and the mode's refusals."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import MICRO_TINY, small_overrides
+from fedattr.attribution.config import AttributionConfig, SealedConfig
+from fedattr.attribution.design import DesignError
+from fedattr.attribution.sealed import OwnerOpenings, SealedObserver
+from fedattr.config import ConfigError
+from fedattr.errors import UserError
+from fedattr.fl.pool import PlaintextTap
+from fedattr.fl.progress import Progress
+from fedattr.fl.server import RoundContext
+from fedattr.fl.timing import Stopwatch
+from fedattr.secagg.beaver import Dealer, decode, encode, shared_inner_products, split
+from fedattr.secagg.errors import QueryRefused
+from fedattr.secagg.sealed import ShareServer, gaussian, split_update
+from fedattr.watermarks.nullkeys import RandomSubsetKeys
+from fedattr.watermarks.tail.laws import RowSubsets
+
+# -- shares and the servers' openings ---------------------------------------------------------
+
+
+def test_reading_shares_add_up_to_the_update_and_each_is_masked():
+    flat = np.random.default_rng(0).normal(size=5000) * 1e-3
+    a, b = split_update(flat, scale=0.1)
+    np.testing.assert_allclose(a + b, flat, rtol=0, atol=1e-15)
+    # Each share alone is noise 100x the update: it barely correlates with it.
+    assert abs(np.corrcoef(a, flat)[0, 1]) < 0.05
+    assert 0.095 < np.std(b) < 0.105
+    # Fresh masks each time (a seed never reused), the same for a given seed.
+    assert not np.array_equal(split_update(flat, 0.1)[1], b)
+    np.testing.assert_array_equal(gaussian(7, 1.0, bytes(32)), gaussian(7, 1.0, bytes(32)))
+
+
+def test_a_planted_attempt_to_open_one_clients_share_is_refused():
+    server = ShareServer("A", min_members=3)
+    for c in range(4):
+        server.receive(c, np.full(3, float(c)))
+    with pytest.raises(QueryRefused, match=r"opening 1 client\(s\) \[2\].*min_members=3"):
+        server.total([2])
+    with pytest.raises(QueryRefused, match="below min_members=3"):
+        server.total([0, 1])
+    with pytest.raises(QueryRefused, match="below min_members"):
+        server.total([1, 1, 1])  # one client named three times is still one
+    np.testing.assert_array_equal(server.total(range(4)), np.full(3, 6.0))
+    assert server.opened == [(0, 1, 2, 3)]  # the refused attempts opened nothing
+    with pytest.raises(QueryRefused, match="no share of client"):
+        server.total([0, 1, 7])
+
+
+# -- Beaver inner products --------------------------------------------------------------------
+
+
+def test_beaver_inner_products_are_the_fixed_point_products_to_the_bit():
+    gen = torch.Generator().manual_seed(3)
+    X = torch.randn(4, 300, generator=gen, dtype=torch.float64) * 5
+    y = (torch.rand(300, generator=gen) < 0.25).long()
+    Xs, ys = split(encode(X)), split(y)
+    (z0, z1), openings = shared_inner_products(Xs, ys, Dealer())
+    exact = (encode(X) * y).sum(dim=1)
+    assert torch.equal(z0 + z1, exact)  # wrapping int64: exact in the ring
+    np.testing.assert_allclose(decode(z0 + z1).numpy(), (X @ y.double()).numpy(), atol=1e-6)
+    # What each party publishes is the secret under a one-time pad: it never equals a share
+    # of the secret, and a second run on the same secrets publishes something else.
+    (_, _), again = shared_inner_products(Xs, ys, Dealer())
+    assert not torch.equal(openings[0][0], again[0][0])
+    assert not torch.equal(openings[0][1] + openings[1][1], y)
+
+
+# -- random keys and the owners' rank p -------------------------------------------------------
+
+
+def test_random_subset_keys_are_exact_subsets_the_same_on_every_draw():
+    keys = RandomSubsetKeys(40, seed=5, rows=6, cols=20, m=5)
+    chunk = keys._chunk(0)
+    assert torch.equal(chunk.sum(-1), torch.full((16, 6), 5.0, dtype=torch.float64))
+    W = torch.randn(3, 6 * 20, dtype=torch.float64)
+    first = keys.values(W)
+    assert first.shape == (3, 40)
+    torch.testing.assert_close(RandomSubsetKeys(40, 5, 6, 20, 5).values(W), first)
+    # A change over fewer rows is read by the keys' first rows.
+    short = W[:, : 4 * 20]
+    chunks = [keys._chunk(i)[:, :4].reshape(-1, 80) for i in range(3)]  # 16 + 16 + 8 keys
+    expected = torch.cat([short @ c.T for c in chunks], dim=1)
+    got = keys.values_many([short])[0]
+    torch.testing.assert_close(got, expected)
+    with pytest.raises(ValueError, match="rows <= 6"):
+        keys.values(torch.zeros(1, 7 * 20))
+
+
+def test_the_rank_p_is_exact_under_a_key_independent_change():
+    rows, cols, m, n = 8, 12, 3, 99
+    clients = list(range(600))
+    gen = torch.Generator().manual_seed(11)
+    W = torch.randn(len(clients), rows * cols, generator=gen, dtype=torch.float64)
+    W[:, :cols] *= 20  # one dominant row: far from a normal tail, still exact
+    owner_key = RandomSubsetKeys(1, seed=123, rows=rows, cols=cols, m=m)._chunk(0)[0]
+    random = RandomSubsetKeys(n, seed=7, rows=rows, cols=cols, m=m).values(W)
+    openings = OwnerOpenings(clients, n)
+    openings.add_owner("o", encode(W @ owner_key.reshape(-1)), random, int(owner_key.sum()), 32)
+    p = openings.p_values("o")
+    assert set(np.round(p * (n + 1)).astype(int)) <= set(range(1, n + 2))
+    for u in (0.05, 0.1, 0.5):
+        # Binomial(600, u): mean 600u; 4 standard deviations either side.
+        sd = np.sqrt(600 * u * (1 - u))
+        assert abs(np.sum(p <= u) - 600 * u) < 4 * sd
+    # A change along the owner's key reads the smallest p its keys can give.
+    towards = owner_key.reshape(1, -1) - m / cols
+    openings = OwnerOpenings([0], n)
+    keys = RandomSubsetKeys(n, seed=7, rows=rows, cols=cols, m=m)
+    value = encode(towards @ owner_key.reshape(-1))
+    openings.add_owner("o", value, keys.values(towards), int(owner_key.sum()), 32)
+    assert openings.p_values("o")[0] == pytest.approx(1 / (n + 1))
+
+
+# -- the observer on a linear detector (no language model) ------------------------------------
+
+
+class _LinearDetector:
+    """A detector whose change is a fixed linear map of the update, one part per owner, with
+    KGW-like keys (rows of green subsets): the sealed mode's algebra, checked in the clear."""
+
+    def __init__(self, dim: int, rows: int, cols: int, m: int, owners: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.J = {
+            f"o{k}": torch.randn(rows * cols, dim, generator=gen, dtype=torch.float64)
+            for k in range(owners)
+        }
+        self.rows, self.cols, self.m = rows, cols, m
+        keys = RandomSubsetKeys(owners, seed=99, rows=rows, cols=cols, m=m)
+        self.G = {f"o{k}": keys._chunk(0)[k].bool() for k in range(owners)}
+
+    def first_order(self, params, tangents):
+        return [
+            {p: (J @ t["x.lora_A"].reshape(-1).double()).float() for p, J in self.J.items()}
+            for t in tangents
+        ]
+
+    def observe(self, params):
+        return None
+
+    def key_laws(self):
+        return {p: RowSubsets(self.m, self.cols) for p in self.J}
+
+    def owner_keys(self, part):
+        return {part: self.G[part]}
+
+
+def _ctx(round_id, updates, reference):
+    mean = {"x.lora_A": sum(u["x.lora_A"] for u in updates.values()) / len(updates)}
+    return RoundContext(
+        round=round_id,
+        rounds=2,
+        participants=sorted(updates),
+        answered=tuple(sorted(updates)),
+        sa=None,
+        reference=reference,
+        mean_update=mean,
+        apply=None,
+        losses={},
+        timing=Stopwatch(("scoring_s",)),
+        progress=Progress(lambda _m: None),
+    )
+
+
+def test_the_owners_values_are_those_of_the_clients_changes_read_in_the_clear(tmp_path):
+    det = _LinearDetector(dim=10, rows=5, cols=16, m=4, owners=2)
+    config = AttributionConfig()
+    config.protocol.mode = "sealed"
+    config.calibrated.taper = 0.0
+    config.sealed = SealedConfig(random_keys=63)
+    tap = PlaintextTap()
+    obs = SealedObserver(config, det, tap, lambda ps: dict.fromkeys(ps, 1.0), 3, folder=tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    # Masks 100x the reference's factors, 100x the updates: float32 tangents keep the
+    # shares' sum to ~1e-7 x 100 of the update's reading.
+    reference = {"x.lora_A": 1e-2 * torch.randn(2, 5, generator=gen)}
+    expected = {c: dict.fromkeys(det.J, 0.0) for c in range(4)}
+    law = RowSubsets(4, 16)
+    for t in (1, 2):
+        tap.updates = {c: {"x.lora_A": torch.randn(2, 5, generator=gen) * 1e-2} for c in range(4)}
+        ctx = _ctx(t, tap.updates, reference)
+        mean = ctx.mean_update["x.lora_A"].reshape(-1).double()
+        for part, J in det.J.items():
+            common = law.centre(J @ mean).reshape(-1)
+            sd = float(np.sqrt(law.variance(common)))
+            for c, u in tap.updates.items():
+                change = law.centre(J @ u["x.lora_A"].reshape(-1).double()).reshape(-1)
+                if t == 1:
+                    change = change - common
+                expected[c][part] = expected[c][part] + change / sd
+        obs.round_closed(ctx)
+    report = obs.fedattr.report({0: True, 1: False, 2: False, 3: False})
+    opened = obs.owner_openings
+    for part in sorted(det.J):
+        values = [float(expected[c][part] @ det.G[part].reshape(-1).double()) for c in range(4)]
+        np.testing.assert_allclose(opened.owner[part], values, rtol=1e-4, atol=1e-6)
+    # p-values on the random keys' grid; the report and the parties' record.
+    assert {r.tail for r in report.clients} == {"random-keys"}
+    assert report.null_keys == 63
+    views = json.loads((tmp_path / "parties.json").read_text())
+    assert [r["round"] for r in views["rounds"]] == [1, 2]
+    assert views["rounds"][0]["server A"]["opened"] == [[0, 1, 2, 3]]
+    assert "attack_on_server_A" in views
+    assert obs.summary()["share_reads"] == 2 * 2 * 4  # two servers, two rounds, four shares
+    # A server's share of a client's mean update is noise: the best scaled guess from it (its
+    # scale fitted on the truth, over only ten coordinates here) is off by 90% or more.
+    attack = obs.attack()
+    assert attack["shares_median"] > 0.9
+
+
+def test_a_sealed_run_cut_after_a_round_resumes_to_the_same_owner_values(tmp_path):
+    import copy
+
+    det = _LinearDetector(dim=10, rows=5, cols=16, m=4, owners=1)
+    config = AttributionConfig()
+    config.protocol.mode = "sealed"
+    config.calibrated.taper = 0.0
+    config.sealed = SealedConfig(random_keys=31)
+    scales = lambda ps: dict.fromkeys(ps, 1.0)  # noqa: E731
+    gen = torch.Generator().manual_seed(2)
+    reference = {"x.lora_A": 1e-2 * torch.randn(2, 5, generator=gen)}
+    rounds = [
+        {c: {"x.lora_A": torch.randn(2, 5, generator=gen) * 1e-2} for c in range(4)}
+        for _ in range(2)
+    ]
+    whole, first = (SealedObserver(config, det, PlaintextTap(), scales, 3) for _ in range(2))
+    for t, updates in enumerate(rounds, start=1):
+        whole.tap.updates = updates
+        whole.round_closed(_ctx(t, updates, reference))
+    first.tap.updates = rounds[0]
+    first.round_closed(_ctx(1, rounds[0], reference))
+    resumed = SealedObserver(config, det, PlaintextTap(), scales, 3)
+    resumed.load(copy.deepcopy(first.state()))
+    resumed.tap.updates = rounds[1]
+    resumed.round_closed(_ctx(2, rounds[1], reference))
+    truth = dict.fromkeys(range(4), False)
+    a, b = whole.fedattr.report(truth), resumed.fedattr.report(truth)
+    # Fresh masks in every session: the same values up to the shares' float32 rounding.
+    np.testing.assert_allclose(
+        resumed.owner_openings.owner["o0"], whole.owner_openings.owner["o0"], rtol=1e-4
+    )
+    assert [r.p for r in a.clients] == [r.p for r in b.clients]
+    assert [r["round"] for r in resumed.records] == [1, 2]
+
+
+# -- the first-order reading of a real model --------------------------------------------------
+
+
+def test_the_first_order_reading_of_shares_adds_up_to_the_updates(micro):
+    from fedattr.data.corpus import generate_corpus
+    from fedattr.models.config import LoRAConfig
+    from fedattr.models.lora import adapter_state, attach_lora, load_state
+    from fedattr.models.text import encode_examples
+    from fedattr.watermarks.kgw import KGWScheme
+    from fedattr.watermarks.radioactivity import KGWReadingScorer
+
+    _, model, tok = micro
+    model = attach_lora(model, LoRAConfig(r=4, alpha=8), seed=0)
+    texts = encode_examples(tok, generate_corpus(8, seed=2), 64)
+    scorer = KGWReadingScorer(model, texts, {"o": KGWScheme(1, len(tok))}, load_state)
+    ref = adapter_state(model)
+    gen = torch.Generator().manual_seed(4)
+    ref = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in ref.items()}
+    u = {k: 1e-3 * torch.randn(v.shape, generator=gen) for k, v in ref.items()}
+    R = {k: 0.1 * torch.randn(v.shape, generator=gen) for k, v in ref.items()}
+    (Ju,) = scorer.first_order(ref, [u])
+    # The limit of small steps: a central difference agrees to its truncation.
+    h = 1.0
+    plus = scorer.observe({k: ref[k] + h * u[k] for k in ref})
+    minus = scorer.observe({k: ref[k] - h * u[k] for k in ref})
+    fd = (plus - minus).double() / (2 * h)
+    assert float((fd - Ju["probes"]).norm() / Ju["probes"].norm()) < 1e-2
+    # Linear: two shares 100x the update read one by one add up to the update's reading.
+    a, b = scorer.first_order(ref, [{k: u[k] + R[k] for k in u}, {k: -R[k] for k in u}])
+    total = a["probes"].double() + b["probes"].double()
+    assert float((total - Ju["probes"]).norm() / Ju["probes"].norm()) < 1e-3
+    # Rows of a change of distributions sum to zero.
+    assert float(Ju["probes"].sum(1).abs().max()) < 1e-5
+
+
+# -- a run, and what the mode refuses ---------------------------------------------------------
+
+
+def test_a_sealed_run_opens_only_the_aggregate_and_each_owners_values(tiny_cache, tmp_path):
+    from fedattr.config import load
+    from fedattr.pipeline.config import RunConfig
+    from fedattr.pipeline.run import run_experiment
+    from fedattr.reporting.run_folder import RunFolder
+
+    cfg = load(
+        RunConfig,
+        None,
+        small_overrides(
+            tiny_cache,
+            "attribution.protocol.mode=sealed",
+            "attribution.sealed.random_keys=31",
+            "watermark.kgw.probes=documents",
+        ),
+    )
+    folder = RunFolder(tmp_path / "run")
+    result = run_experiment(cfg, progress=lambda _m: None, folder=folder)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    out = result.to_dict()
+    assert out["mode"] == "sealed" and out["sa_queries"] == 2  # the two rounds' aggregates
+    assert out["sealed"]["random_keys"] == 31 and out["sealed"]["share_reads"] == 2 * 2 * 4
+    assert result.changes == {}  # no change is ever held in the clear
+    for c in out["clients"]:
+        assert c["tail"] == "random-keys"
+        k = c["p_rank"] * 32 / 2  # Bonferroni over two owners of a rank k among 32
+        assert c["p_rank"] == 1.0 or abs(k - round(k)) < 1e-9
+    views = json.loads((folder.path / "parties.json").read_text())
+    assert len(views["rounds"]) == 2
+    assert set(views["end"]) >= {"server A", "server B", "dealer", "owner kgw:owner0"}
+
+
+@pytest.mark.parametrize(
+    ("sets", "match"),
+    [
+        (["fl.strategy=flora"], "needs fl.strategy=fedit"),
+        (["watermark.kind=fk", "watermark.r=1"], "watermark.kind=kgw"),
+        (["attribution.statistic=paper"], "needs statistic=calibrated"),
+        (["attribution.sealed.mask_scale=0"], "mask_scale: must be a number > 0"),
+        (["attribution.sealed.frac_bits=50"], "frac_bits: must be an integer in 16..40"),
+    ],
+)
+def test_the_sealed_mode_refuses_what_it_cannot_read_in_one_line(tiny_cache, sets, match):
+    from fedattr.config import load
+    from fedattr.pipeline.config import RunConfig
+
+    with pytest.raises((ConfigError, DesignError, ValueError), match=match):
+        sealed = small_overrides(tiny_cache, "attribution.protocol.mode=sealed", *sets)
+        load(RunConfig, None, sealed)
+
+
+def test_flower_refuses_the_sealed_mode_before_starting_a_process(tiny_cache):
+    from fedattr.config import load
+    from fedattr.flower.server_app import check_settings
+    from fedattr.pipeline.config import RunConfig
+
+    cfg = load(RunConfig, None, small_overrides(tiny_cache, "attribution.protocol.mode=sealed"))
+    with pytest.raises(UserError, match="sealed: runs in process only"):
+        check_settings(cfg, "run")
+
+
+def test_the_synthetic_demo_refuses_the_sealed_mode():
+    from fedattr.config import load
+    from fedattr.pipeline.config import DemoConfig
+    from fedattr.pipeline.run import run_demo
+
+    cfg = load(DemoConfig, None, ["attribution.protocol.mode=sealed"])
+    with pytest.raises(UserError, match="synthetic demo has none"):
+        run_demo(cfg, progress=lambda _m: None)
+
+
+def test_sealed_config_sizes_its_random_keys_to_the_level():
+    assert SealedConfig().keys_for(0.01 / 30) == 4095
+    assert SealedConfig().keys_for(0.01 / 250) == 32767
+    assert SealedConfig(random_keys=99).keys_for(1e-9) == 99
+    assert MICRO_TINY  # the micro model the run tests use
