@@ -165,6 +165,8 @@ class SealedObserver(Observer):
                 "round": ctx.round,
                 "participants": list(ctx.participants),
                 "sealed": {
+                    # Two float64 shares a client (the secure-aggregation input aside).
+                    "share_bytes": 16 * coords * len(answered),
                     "mask_sd": scale,
                     "round_scale": round_scale,
                     "aggregate_vs_sa": mismatch,
@@ -243,8 +245,16 @@ class SealedObserver(Observer):
                 key = ring_split(G.reshape(-1).long())  # the owner shares its key
                 (z0, z1), _ = shared_inner_products((ring[0], ring[1]), key, dealer)
                 openings.add_owner(owner, z0 + z1, random, int(G.sum()), frac)
+        n_c = len(clients)
+        cells = {o: int(self.servers[0].W[clients[0]][keys_of[o][0]].numel()) for o in owners}
         self.openings = {
-            "cells": {o: int(self.servers[0].W[clients[0]][keys_of[o][0]].numel()) for o in owners},
+            # Per owner, 8-byte elements: the dealer's triple shares to both servers, the
+            # owner's key shares, both servers' openings, their result and random-key shares.
+            "opening_bytes": sum(
+                8 * (2 * (n_c * c + c + n_c) + 2 * c + 2 * (n_c * c + c) + 2 * n_c * (1 + n_keys))
+                for c in cells.values()
+            ),
+            "cells": cells,
             "random_keys": n_keys,
             "triples_dealt": dealer.dealt,
             "seconds": time.perf_counter() - t0,
@@ -255,22 +265,36 @@ class SealedObserver(Observer):
         return self._report
 
     def attack(self) -> dict[str, Any]:
-        """The strongest attack measured on server A's view of the run: each client's mean
-        update estimated from its mean share and the public aggregates (the best scalar
-        shrinkage, fitted on the truth: a bound on any attack of its form), against the prior
-        (the federation's mean update); relative errors, median over clients."""
+        """Attacks on server A's view of the run, each client's mean update estimated from
+        what it saw, as relative errors (median and smallest over clients): ``prior``, the
+        federation's mean update (public); ``shares``, its mean share scaled; ``prior+shares``,
+        the prior plus the scaled share's departure from it; ``subspace``, the prior plus that
+        departure projected on the span of the round aggregates (where updates mostly lie,
+        which removes all but ``T`` dimensions of the masks' noise). Each scale is fitted on the
+        truth: a bound on any attack of its form. A simulation's measurement."""
         if not self.privacy:
             return {}
         prior = np.mean(self.aggregates, axis=0)
-        rel: dict[str, list[float]] = {"prior": [], "shares": [], "prior+shares": []}
+        basis, _ = np.linalg.qr(np.stack(self.aggregates, axis=1))
+        rel: dict[str, list[float]] = {
+            "prior": [],
+            "shares": [],
+            "prior+shares": [],
+            "subspace": [],
+        }
         for acc in self.privacy.values():
             truth = acc["true"] / acc["rounds"]
             share = acc["share"] / acc["rounds"]
             norm = float(np.linalg.norm(truth)) or 1.0
             rel["prior"].append(float(np.linalg.norm(truth - prior)) / norm)
-            for name, base in (("shares", 0.0), ("prior+shares", prior)):
-                x, y = share - base, truth - base
-                c = float(np.dot(x, y) / max(1e-300, np.dot(x, x)))
+            guesses = {
+                "shares": (0.0, share),
+                "prior+shares": (prior, share - prior),
+                "subspace": (prior, basis @ (basis.T @ (share - prior))),
+            }
+            for name, (base, x) in guesses.items():
+                y = truth - base
+                c = float(np.dot(x, y) / max(1e-300, float(np.dot(x, x))))
                 rel[name].append(float(np.linalg.norm(y - c * x)) / norm)
         return {f"{k}_median": float(np.median(v)) for k, v in rel.items()} | {
             f"{k}_min": float(np.min(v)) for k, v in rel.items()
