@@ -283,6 +283,13 @@ def test_the_first_order_reading_of_shares_adds_up_to_the_updates(micro):
     assert float((total - Ju["probes"]).norm() / Ju["probes"].norm()) < 1e-3
     # Rows of a change of distributions sum to zero.
     assert float(Ju["probes"].sum(1).abs().max()) < 1e-5
+    # At a fresh adapter (B = 0: FedIT's first round) an update of B still moves the model.
+    fresh = {k: torch.zeros_like(v) if k.endswith("lora_B") else v for k, v in ref.items()}
+    (at_zero,) = scorer.first_order(fresh, [u])
+    step = scorer.observe({k: fresh[k] + 1e-2 * u[k] for k in fresh})
+    fd = (step - scorer.observe(fresh)).double() / 1e-2
+    assert float(at_zero["probes"].norm()) > 0
+    assert float((fd - at_zero["probes"]).norm() / at_zero["probes"].norm()) < 5e-2
 
 
 # -- a run, and what the mode refuses ---------------------------------------------------------

@@ -8,6 +8,7 @@ docstring; much more sensitive on small models).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -217,8 +218,10 @@ class ContextReads:
             for _ in range(count)
         ]
         # LoRA factors folded into the weights for the read (not inside a stacked pass, whose
-        # layers are patched already: folded_adapters declines those itself).
-        with folded_adapters(self.model):
+        # layers are patched already: folded_adapters declines those itself). Not for tangents:
+        # folding skips an adapter whose B is zero (FLoRA's reset, FedIT's first round), whose
+        # factors' tangents still move the model.
+        with contextlib.nullcontext() if tangent else folded_adapters(self.model):
             for b in self.batches:
                 ids, mask = b.input_ids.to(device), b.attention_mask.to(device)
                 rows = b.rows.to(device)
