@@ -247,7 +247,8 @@ class SealedConfig:
         """The random keys a verdict at per-pair ``level`` reads (``random_keys``, or auto)."""
         if self.random_keys:
             return self.random_keys
-        return (1 << max(4, math.ceil(math.log2(1.0 / level)))) - 1
+        # 2^j > 1 / level: a client above every key reads p = 2^-j, below the level.
+        return (1 << max(4, math.floor(math.log2(1.0 / level)) + 1)) - 1
 
 
 @dataclass

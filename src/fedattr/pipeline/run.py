@@ -420,6 +420,14 @@ def run_experiment(
         observers = list(_observers(variants, scorer, fed.owner_of, background))
         for k, (name, a) in enumerate(variants.items()):
             if a.protocol.mode == "sealed":
+                dtype = next(model.parameters()).dtype
+                if dtype != torch.float32:
+                    # Shares far larger than the update, rounded to a 16-bit type, would
+                    # bury the update's reading in rounding noise.
+                    raise UserError(
+                        "attribution.protocol.mode=sealed: reads shares in float32; set "
+                        f"model.dtype=float32 (the model computes in {dtype})"
+                    )
                 # No SA query: each update read as shares by two servers (a simulation's
                 # clients split what the pool holds, as they would before sending).
                 observers[k] = SealedObserver(

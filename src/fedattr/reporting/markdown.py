@@ -94,6 +94,11 @@ def attribution_table(report: AttributionReport) -> str:
                 "clients × owners. Z: the owner's value against the random keys' mean and "
                 "spread, for reading only"
             )
+            if 1 / (report.null_keys + 1) >= (report.level or 0):
+                rule += (
+                    f". With {report.null_keys} random keys no p can fall below the level "
+                    f"{p_value(report.level or 0)}: raise attribution.sealed.random_keys"
+                )
         elif report.null_keys:
             floor = max(1, len(report.components)) / (report.null_keys + 1)
             rule += f". Rank p: the same change read with {report.null_keys} random keys, a check"

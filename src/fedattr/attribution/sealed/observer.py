@@ -43,6 +43,11 @@ def _rms(params: Any) -> float:
     return math.sqrt(total / max(1, count))
 
 
+AGGREGATE_TOLERANCE = 1e-4
+"""Relative difference above which the reading shares' aggregate is reported as not secure
+aggregation's (float32 and fixed-point rounding stay near 1e-7)."""
+
+
 class SealedAttribution:
     """What the run's results read of the sealed mode (the interface of
     :class:`~fedattr.attribution.protocol.FedAttr` that :func:`fedattr.pipeline.run._finish`
@@ -106,7 +111,6 @@ class SealedObserver(Observer):
         self.privacy: dict[int, dict[str, Any]] = {}
         """Client -> running sums for the simulation's attack on server A's view."""
         self.aggregates: list[np.ndarray] = []
-        self._report: AttributionReport | None = None
         self.openings: dict[str, Any] = {}
         self.owner_openings: OwnerOpenings | None = None
         """What the owners received (after the verdict)."""
@@ -114,8 +118,17 @@ class SealedObserver(Observer):
     # -- every round ----------------------------------------------------------------------
 
     def round_closed(self, ctx: RoundContext) -> None:
+        if self.config.calibrated.late_rounds == "skip" and self.rounds_read >= 1:
+            ctx.progress(
+                f"[round {ctx.round}/{ctx.rounds}] {self.name} (sealed): not read "
+                "(attribution.calibrated.late_rounds = skip)"
+            )
+            return
         t0 = time.perf_counter()
-        answered = [c for c in ctx.answered if c in self.tap.updates]
+        missing = [c for c in ctx.answered if c not in self.tap.updates]
+        if missing:
+            raise RuntimeError(f"sealed mode: no submitted update of answering clients {missing}")
+        answered = list(ctx.answered)
         scales = self.scales(list(ctx.participants))
         layout = UpdateLayout.of(ctx.mean_update)
         scale = self.config.sealed.mask_scale * _rms(ctx.reference)
@@ -126,13 +139,24 @@ class SealedObserver(Observer):
             self.servers[0].shares.receive(c, share_a)
             self.servers[1].shares.receive(c, share_b)
             self._observe_attack(c, flat, share_a)
-        # The servers open the round's aggregate only (what federated learning needs).
+        # The servers open the round's aggregate only (what federated learning needs); the
+        # mean as the engine takes it (the answering clients' scales sum to its divisor).
         total = self.servers[0].shares.total(answered) + self.servers[1].shares.total(answered)
-        mean = total / len(answered)
+        mean = total / sum(scales[c] for c in answered)
         self.aggregates.append(mean)
+        # The reading shares' aggregate must be secure aggregation's: a client that sent shares
+        # of anything else shows here (float32 and fixed-point rounding aside).
         expected = layout.flatten(ctx.mean_update)
         mismatch = float(np.abs(mean - expected).max() / max(1e-30, np.abs(expected).max()))
-        # Public quantities, computed by anyone from the reference and the aggregate.
+        if mismatch > AGGREGATE_TOLERANCE:
+            ctx.progress(
+                f"[round {ctx.round}/{ctx.rounds}] {self.name} (sealed) warning: the reading "
+                f"shares' aggregate differs from secure aggregation's by {mismatch:.2g} "
+                "(relative): a client sent shares of something else"
+            )
+        # Public, key-free quantities: the taper (round 1's reference, the base model); the
+        # centre of round 1, the aggregate's change (its watermarked part reads against a
+        # clean client's key: conservative).
         if self.weights is None:
             weights = taper_weights(
                 self.scorer,
@@ -141,25 +165,26 @@ class SealedObserver(Observer):
                 self.config.calibrated.taper_from,
             )
             self.weights = {p: w.double().reshape(-1) for p, w in (weights or {}).items()}
-        (common,) = self.read(ctx.reference, [layout.unflatten(mean)])
-        round_scale: dict[str, float] = {}
-        for part, change in common.items():
-            if part in self.weights:
-                change = change * self.weights[part]
-            common[part] = self.laws[part].centre(change).reshape(-1)
-            sd = math.sqrt(self.laws[part].variance(common[part]))
-            round_scale[part] = sd if sd > 0 else 1.0
-        centre = common if self.rounds_read == 0 else None
+        centre = None
+        if self.rounds_read == 0:
+            (common,) = self.read(ctx.reference, [layout.unflatten(mean)])
+            centre = {}
+            for part, change in common.items():
+                if part in self.weights:
+                    change = change * self.weights[part]
+                centre[part] = self.laws[part].centre(change).reshape(-1)
         for server in self.servers:
-            server.read_round(self.read, ctx.reference, layout, self.weights, centre, round_scale)
+            server.read_round(self.read, ctx.reference, layout, self.weights, centre)
+            server.check_fits(self.config.sealed.frac_bits)
             server.shares.close_round()
         self.rounds_read += 1
         seconds = time.perf_counter() - t0
         self.timing["scoring_s"] += seconds
         if self.primary:
             ctx.timing.add("scoring_s", seconds)
-            ctx.timing.count("models_scored", 2 * len(answered) + 1)
+            ctx.timing.count("models_scored", 2 * len(answered) + (centre is not None))
         coords = int(layout.size)
+        seen = {"shares": len(answered), "coordinates_each": coords, "opened": [answered]}
         self.records.append(
             {
                 "round": ctx.round,
@@ -168,19 +193,10 @@ class SealedObserver(Observer):
                     # Two float64 shares a client (the secure-aggregation input aside).
                     "share_bytes": 16 * coords * len(answered),
                     "mask_sd": scale,
-                    "round_scale": round_scale,
                     "aggregate_vs_sa": mismatch,
                     "seen": {
-                        "server A": {
-                            "shares": len(answered),
-                            "coordinates_each": coords,
-                            "opened": [answered],
-                        },
-                        "server B": {
-                            "shares": len(answered),
-                            "coordinates_each": coords,
-                            "opened": [answered],
-                        },
+                        "server A": dict(seen),
+                        "server B": dict(seen),
                         "public": {"aggregate": 1, "coordinates": coords},
                         "owners": {},
                     },
@@ -206,31 +222,36 @@ class SealedObserver(Observer):
     # -- the end: owners' openings and verdicts -------------------------------------------
 
     def _verdicts(self, truth: Mapping[int, bool] | None) -> AttributionReport:
-        if self._report is not None:
-            return self._report
+        """The owners' openings (computed once) and the report for ``truth``."""
         clients = sorted(set(self.servers[0].W) & set(self.servers[1].W))
         keys_of = {
             o: (part, G) for part in self.laws for o, G in self.scorer.owner_keys(part).items()
         }
         K = max(1, len(set(clients) | set(truth or {})))
         level = self.config.calibrated.alpha / (K * max(1, len(keys_of)))
+        if self.owner_openings is None:
+            self.owner_openings = self._open(clients, keys_of, level)
+        return sealed_report(self.owner_openings, truth, self.config.calibrated.alpha, level)
+
+    def _open(
+        self, clients: list[int], keys_of: Mapping[str, tuple[str, torch.Tensor]], level: float
+    ) -> OwnerOpenings:
+        """What each owner receives: per client, its key's value (Beaver) and the random keys'
+        values with their rounding bound."""
         n_keys = self.config.sealed.keys_for(level)
         frac = self.config.sealed.frac_bits
         t0 = time.perf_counter()
         openings = OwnerOpenings(clients, n_keys)
         dealer = Dealer()
         owners = sorted(keys_of) if clients else []
+        cells = {o: int(self.servers[0].W[clients[0]][keys_of[o][0]].numel()) for o in owners}
         if owners:
-            rows = {
-                o: self.servers[0].W[clients[0]][keys_of[o][0]].numel()
-                // self.laws[keys_of[o][0]].cols
-                for o in owners
-            }
             law = self.laws[keys_of[owners[0]][0]]
             if any((w.cols, w.m) != (law.cols, law.m) for w in self.laws.values()):
                 raise UserError("attribution.protocol.mode=sealed: owners' key laws must agree")
             # Public random keys, drawn once for every owner's part (its first rows each).
-            keys = RandomSubsetKeys(n_keys, self.config.seed, max(rows.values()), law.cols, law.m)
+            rows = max(cells.values()) // law.cols
+            keys = RandomSubsetKeys(n_keys, self.config.seed, rows, law.cols, law.m)
             blocks = [
                 torch.stack([s.W[c][keys_of[o][0]] for c in clients])
                 for o in owners
@@ -239,30 +260,30 @@ class SealedObserver(Observer):
             values = keys.values_many(blocks)
             for j, owner in enumerate(owners):
                 part, G = keys_of[owner]
-                # Each server sends its share of every client's random-key values to the owner.
+                # Each server sends its share of every client's random-key values to the
+                # owner, with the L1 norm of its share (their float rounding's bound).
                 random = values[2 * j] + values[2 * j + 1]
+                l1 = sum(s.l1(part, clients) for s in self.servers)
                 ring = [s.ring_shares(part, clients, frac) for s in self.servers]
                 key = ring_split(G.reshape(-1).long())  # the owner shares its key
                 (z0, z1), _ = shared_inner_products((ring[0], ring[1]), key, dealer)
-                openings.add_owner(owner, z0 + z1, random, int(G.sum()), frac)
+                openings.add_owner(owner, z0 + z1, random, int(G.sum()), frac, l1, cells[owner])
         n_c = len(clients)
-        cells = {o: int(self.servers[0].W[clients[0]][keys_of[o][0]].numel()) for o in owners}
         self.openings = {
             # Per owner, 8-byte elements: the dealer's triple shares to both servers, the
             # owner's key shares, both servers' openings, their result and random-key shares.
             "opening_bytes": sum(
-                8 * (2 * (n_c * c + c + n_c) + 2 * c + 2 * (n_c * c + c) + 2 * n_c * (1 + n_keys))
+                8 * (2 * (n_c * c + c + n_c) + 2 * c + 2 * (n_c * c + c) + 2 * n_c * (2 + n_keys))
                 for c in cells.values()
             ),
             "cells": cells,
             "random_keys": n_keys,
+            "smallest_p": 1.0 / (n_keys + 1),
             "triples_dealt": dealer.dealt,
             "seconds": time.perf_counter() - t0,
         }
-        self.owner_openings = openings
-        self._report = sealed_report(openings, truth, self.config.calibrated.alpha, level)
-        self._write_parties(clients, sorted(keys_of), n_keys)
-        return self._report
+        self._write_parties(clients, owners, n_keys)
+        return openings
 
     def attack(self) -> dict[str, Any]:
         """Attacks on server A's view of the run, each client's mean update estimated from

@@ -36,7 +36,8 @@ class OwnerOpenings:
     owner: dict[str, np.ndarray] = field(default_factory=dict)
     random: dict[str, np.ndarray] = field(default_factory=dict)
     """Owner -> ``[clients, keys]`` float64."""
-    tolerance: dict[str, float] = field(default_factory=dict)
+    tolerance: dict[str, np.ndarray] = field(default_factory=dict)
+    """Owner -> per client, a bound on the rounding of each value (see :meth:`add_owner`)."""
 
     def add_owner(
         self,
@@ -45,19 +46,26 @@ class OwnerOpenings:
         random: torch.Tensor,
         key_cells: int,
         frac_bits: int,
+        l1: np.ndarray,
+        cells: int,
     ) -> None:
         """Owner ``name``'s values (the two servers' ring shares added), its random-key values
-        and its tolerance: each of its key's cells rounds two shares by at most ``2^-frac``
-        (half a unit each)."""
+        (the two servers' float64 values added) and each client's tolerance: the owner's value
+        is rounded by at most ``2^-frac`` a key cell (half a unit each of two shares); a random
+        key's, summed in float64 over ``cells`` products of shares whose absolute values sum
+        to ``l1`` (both servers), by at most ``cells * 2^-53 * l1`` (the worst case of any
+        summation order), and once more where the two are added."""
         self.owner[name] = decode(ring_sum, frac_bits).numpy()
         self.random[name] = random.numpy()
-        self.tolerance[name] = key_cells * 2.0 ** (-frac_bits)
+        float_bound = (cells + 2) * 2.0**-53 * np.asarray(l1, dtype=np.float64)
+        self.tolerance[name] = key_cells * 2.0 ** (-frac_bits) + float_bound
 
     def p_values(self, name: str) -> np.ndarray:
-        """Each client's rank p under owner ``name``'s key."""
+        """Each client's rank p under owner ``name``'s key: random keys within the two
+        roundings' bound of the owner's value count as reading at least as high (so ``p`` can
+        only be larger than the exact rank's)."""
         values, null = self.owner[name], self.random[name]
-        # Plus a float64 sum's own rounding, far below the spread of any real change.
-        slack = self.tolerance[name] + 1e-12 * np.abs(null).max(initial=1.0)
+        slack = 2.0 * np.broadcast_to(self.tolerance[name], values.shape)
         above = (null >= (values - slack)[:, None]).sum(axis=1)
         return (1.0 + above) / (null.shape[1] + 1.0)
 

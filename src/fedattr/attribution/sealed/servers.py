@@ -5,9 +5,9 @@ A detector whose change is linear in the key offers its *first-order* reading
 (``first_order(reference, tangents)``: the change ``d/ds change(reference, reference + s u)`` at
 ``s = 0``, by forward-mode AD), a linear map ``J`` of the update at the public reference. So
 ``J(u + R) + J(-R) = J(u)``: each server reads its own share, and the two readings add up to
-the client's. What a server keeps of a client is its share of ``W_i = sum_t (J_t u_it - C_t) /
-s_t`` (public taper weights, rows centred, round 1 centred on the aggregate's change ``C_1``,
-each round divided by the aggregate's null scale ``s_t``: all public). At the end it gives the
+the client's. What a server keeps of a client is its share of ``W_i = sum_t (tau * J_t u_it -
+C_t)`` (the public taper ``tau`` of round 1's reference, rows centred, round 1 centred on the
+aggregate's change ``C_1``, ``C_t = 0`` after it). At the end it gives the
 owners its share of every client's values under public random keys, and enters the owner-key
 inner products (Beaver triples) with its ring share of ``W_i``.
 """
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...errors import UserError
 from ...secagg.beaver import encode
 from ...secagg.sealed import ShareServer
 from ...updates import UpdateLayout
@@ -66,11 +67,10 @@ class ReadingServer:
         layout: UpdateLayout,
         weights: Mapping[str, torch.Tensor],
         centre: Mapping[str, torch.Tensor] | None,
-        scale: Mapping[str, float],
     ) -> None:
         """Read every share of the round (at ``reference``); per part weigh, centre rows,
         subtract the public ``centre`` (server A only: a public constant belongs to one
-        share) and add ``/ scale`` to the client's running sum."""
+        share) and add it to the client's running sum."""
 
         def changes(shares: list[np.ndarray]) -> list[Parts]:
             return read(reference, [layout.unflatten(s) for s in shares])
@@ -84,7 +84,23 @@ class ReadingServer:
                 change = self.laws[part].centre(change).reshape(-1)
                 if centre is not None and self.label == "A":
                     change = change - centre[part]
-                sums[part] = sums.get(part, 0.0) + change / scale[part]
+                sums[part] = sums.get(part, 0.0) + change
+
+    def check_fits(self, frac_bits: int) -> None:
+        """Refuse, as soon as it happens, a running sum too large for the ring at
+        ``frac_bits`` (the verdict encodes it there)."""
+        top = max((float(w.abs().max()) for s in self.W.values() for w in s.values()), default=0)
+        if top * 2.0**frac_bits >= 2.0**61:
+            raise UserError(
+                f"attribution.sealed.frac_bits: {frac_bits} leaves no room in the ring for "
+                f"server {self.label}'s sums (|value| up to {top:.3g}); lower it, or "
+                "attribution.sealed.mask_scale"
+            )
+
+    def l1(self, part: str, clients: Sequence[int]) -> np.ndarray:
+        """``sum |W_i|`` of this server's shares over ``part`` (a bound on the float rounding of
+        its random-key values, sent to the owners with them)."""
+        return np.array([float(self.W[c][part].abs().sum()) for c in clients])
 
     def key_values(self, part: str, keys: RandomSubsetKeys, clients: Sequence[int]) -> torch.Tensor:
         """This server's share of ``<W_i, key_k>`` over ``part`` for the public random keys:
