@@ -396,6 +396,17 @@ def test_the_sealed_mode_refuses_what_it_cannot_read_in_one_line(tiny_cache, set
         load(RunConfig, None, sealed)
 
 
+def test_the_sealed_mode_needs_no_subset_design_but_a_quorum_a_round(tiny_cache):
+    from fedattr.config import load
+    from fedattr.pipeline.config import RunConfig
+
+    sealed = small_overrides(tiny_cache, "attribution.protocol.mode=sealed", "fl.K=6")
+    # Three clients a round: no N < 2 design exists, yet the sealed mode asks for none.
+    load(RunConfig, None, [*sealed, "fl.participation=0.5", "secagg.min_members=3"])
+    with pytest.raises(ValueError, match=r"secagg\.min_members=4 clients or more"):
+        load(RunConfig, None, [*sealed, "fl.participation=0.5", "secagg.min_members=4"])
+
+
 def test_flower_refuses_the_sealed_mode_before_starting_a_process(tiny_cache):
     from fedattr.config import load
     from fedattr.flower.server_app import check_settings

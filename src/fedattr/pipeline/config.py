@@ -53,7 +53,8 @@ def attribution_variants(
                 f"attribution.protocol.mode={main.protocol.mode!r} "
                 "(one SA release policy per run)"
             )
-        if not per_round - 1 > cfg.protocol.N or min_members > cfg.protocol.N:
+        sealed = cfg.protocol.mode == "sealed"  # no subset sum: N unused
+        if not sealed and (not per_round - 1 > cfg.protocol.N or min_members > cfg.protocol.N):
             raise ConfigError(
                 f"variants[{i}].protocol.N: must be in {min_members}..{per_round - 2}, "
                 f"got {cfg.protocol.N}"
@@ -141,7 +142,14 @@ class RunConfig:
             )
         n = self.fl.per_round
         N = self.attribution.protocol.N
-        if not n - 1 > N:
+        sealed = self.attribution.protocol.mode == "sealed"  # asks no subset sum: N unused
+        if sealed and n < max(2, self.secagg.min_members):
+            raise ValueError(
+                f"attribution.protocol.mode=sealed: the servers open a round's sum only over "
+                f"secagg.min_members={self.secagg.min_members} clients or more (and at least 2); "
+                f"fl.K x fl.participation gives {n} a round"
+            )
+        if not sealed and not n - 1 > N:
             raise ValueError(
                 f"attribution.protocol.N={N} needs N < (clients per round) - 1 = {n - 1}; "
                 f"lower N or raise fl.K / fl.participation"
@@ -184,7 +192,7 @@ class RunConfig:
                     f"{key}.statistic=calibrated needs watermark.detector=reading (the greedy "
                     "detectors cannot be run under random keys); or set statistic=paper"
                 )
-        if self.secagg.min_members > N:
+        if not sealed and self.secagg.min_members > N:
             raise ValueError(
                 f"attribution.protocol.N={N} is below secagg.min_members="
                 f"{self.secagg.min_members}; the V-subsets would be refused by SA"
