@@ -185,7 +185,8 @@ def test_a_bad_choice_on_the_command_line_is_one_line(capsys):
     err = capsys.readouterr().err
     assert (
         err
-        == "fedattr: error: attribution.protocol.mode: unknown 'bogus'; allowed: paper, hardened\n"
+        == "fedattr: error: attribution.protocol.mode: unknown 'bogus'; allowed: paper, hardened, "
+        "sealed\n"
     )
     assert main(["demo-protocol", "--set", 'variants=[{"scoring": "x"}]']) == 2
     assert "variants[0].scoring: unknown 'x'; allowed: server, owner" in capsys.readouterr().err

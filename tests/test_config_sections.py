@@ -333,7 +333,8 @@ def test_an_unknown_key_is_still_one_line_listing_the_allowed_ones(capsys):
     assert err.startswith(
         "fedattr: error: unknown setting attribution.MM; allowed in this section: "
         "attribution.calibrated, attribution.overlap, attribution.paper, "
-        "attribution.protocol, attribution.scoring, attribution.seed, attribution.statistic"
+        "attribution.protocol, attribution.scoring, attribution.sealed, attribution.seed, "
+        "attribution.statistic"
     )
     assert main(["demo-protocol", "--set", "attribution.protocol.gamma=3"]) == 2
     err = capsys.readouterr().err
