@@ -263,7 +263,7 @@ class SealedObserver(Observer):
                 # Each server sends its share of every client's random-key values to the
                 # owner, with the L1 norm of its share (their float rounding's bound).
                 random = values[2 * j] + values[2 * j + 1]
-                l1 = sum(s.l1(part, clients) for s in self.servers)
+                l1 = self.servers[0].l1(part, clients) + self.servers[1].l1(part, clients)
                 ring = [s.ring_shares(part, clients, frac) for s in self.servers]
                 key = ring_split(G.reshape(-1).long())  # the owner shares its key
                 (z0, z1), _ = shared_inner_products((ring[0], ring[1]), key, dealer)
