@@ -25,6 +25,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from ..config import load
 from ..errors import UserError
+from ..pipeline.config import require_in_process
 from ..reporting.run_folder import RunFolder
 from ..runtime import set_threads
 from ..secagg.remote_server import RemoteMaskingServer
@@ -83,11 +84,7 @@ def check_settings(cfg: Any, command: str) -> None:
             "fl.clients[].drop: simulated dropouts are for in-process runs; on Flower a node "
             "that misses the timeout is a dropout; allowed: 0"
         )
-    if any(a.protocol.mode == "sealed" for a in cfg.attribution_variants().values()):
-        raise UserError(
-            "attribution.protocol.mode=sealed: runs in process only (the Flower runtime does "
-            "not carry the clients' reading shares yet); allowed on Flower: paper, hardened"
-        )
+    require_in_process(cfg)
     if command == "run" and cfg.baselines:
         raise UserError(
             "baselines: they read plaintext client updates, which Flower clients never send; "

@@ -205,6 +205,17 @@ class RunConfig:
         )
 
 
+def require_in_process(cfg: RunConfig | DemoConfig) -> None:
+    """Refuse, in one line, what only an in-process run can do (a remote runtime's clients: the
+    Flower ServerApp, ``run_experiment`` with a ``pool``): the sealed mode, whose clients must
+    send reading shares the Flower runtime does not carry yet."""
+    if any(a.protocol.mode == "sealed" for a in cfg.attribution_variants().values()):
+        raise UserError(
+            "attribution.protocol.mode=sealed: runs in process only (the Flower runtime does "
+            "not carry the clients' reading shares yet); allowed on Flower: paper, hardened"
+        )
+
+
 _SMOLLM2 = [
     "model.preset=smollm2-135m",
     "model.dtype=auto",

@@ -50,7 +50,7 @@ from ..reporting.run_folder import RunFolder
 from ..runtime import take_note
 from ..secagg import SecureAggregator, make_aggregator
 from ..watermarks.registry import WATERMARKS, DetectionSetup, Detector
-from .config import DemoConfig, RunConfig
+from .config import DemoConfig, RunConfig, require_in_process
 
 Say = Callable[[str], None]
 
@@ -332,13 +332,8 @@ def run_experiment(
     runtime's clients and their aggregator, e.g. :mod:`fedattr.flower`); the server side here
     still builds the federation for its ground truth, the owners' keys and detection data.
     """
-    if pool is not None and any(
-        a.protocol.mode == "sealed" for a in cfg.attribution_variants().values()
-    ):
-        raise UserError(
-            "attribution.protocol.mode=sealed: runs in process only (the Flower runtime does "
-            "not carry the clients' reading shares yet); allowed on Flower: paper, hardened"
-        )
+    if pool is not None:
+        require_in_process(cfg)
     say = Progress(progress)
     note = take_note()
     if note:

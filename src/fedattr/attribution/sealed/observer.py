@@ -32,7 +32,7 @@ from ..calibrated.weights import taper_weights
 from ..config import AttributionConfig
 from ..stouffer import AttributionReport
 from .owner import OwnerOpenings, sealed_report
-from .servers import ReadingServer, first_order_parts
+from .servers import ReadingServer, first_order_parts, weighed
 
 
 def _rms(params: Any) -> float:
@@ -168,11 +168,7 @@ class SealedObserver(Observer):
         centre = None
         if self.rounds_read == 0:
             (common,) = self.read(ctx.reference, [layout.unflatten(mean)])
-            centre = {}
-            for part, change in common.items():
-                if part in self.weights:
-                    change = change * self.weights[part]
-                centre[part] = self.laws[part].centre(change).reshape(-1)
+            centre = {p: weighed(d, p, self.weights, self.laws) for p, d in common.items()}
         for server in self.servers:
             server.read_round(self.read, ctx.reference, layout, self.weights, centre)
             server.check_fits(self.config.sealed.frac_bits)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from scipy.stats import norm
 
 from ...secagg.beaver import decode
 from ..stouffer import AttributionReport, ClientAttribution, over_statistics
@@ -80,7 +81,7 @@ def sealed_report(
     ``level``; the combined row per client Bonferroni-adjusted over owners."""
     owners = sorted(openings.owner)
     S = max(1, len(owners))
-    threshold = math.sqrt(2.0) * float(_erfcinv(2.0 * level))
+    threshold = float(norm.isf(level))
     components = {o: AttributionReport(gamma=threshold) for o in owners}
     combined = AttributionReport(gamma=threshold, components=components)
     index = {c: i for i, c in enumerate(openings.clients)}
@@ -125,9 +126,3 @@ def sealed_report(
             level,
         )
     return combined
-
-
-def _erfcinv(y: float) -> float:
-    from scipy.special import erfcinv
-
-    return float(erfcinv(y))

@@ -46,6 +46,19 @@ def first_order_parts(scorer: Any) -> Read:
     return read
 
 
+def weighed(
+    change: torch.Tensor,
+    part: str,
+    weights: Mapping[str, torch.Tensor],
+    laws: Mapping[str, KeyLaw],
+) -> torch.Tensor:
+    """A first-order change as every reading takes it: times the part's public taper (where
+    there is one), rows centred, flat."""
+    if part in weights:
+        change = change * weights[part]
+    return laws[part].centre(change).reshape(-1)
+
+
 class ReadingServer:
     """One server: the round's shares (a :class:`~fedattr.secagg.sealed.ShareServer`, which
     opens only sums over ``min_members`` clients) and its share of every client's summed
@@ -79,9 +92,7 @@ class ReadingServer:
             self.reads += 1
             sums = self.W.setdefault(client, {})
             for part, change in parts.items():
-                if part in weights:
-                    change = change * weights[part]
-                change = self.laws[part].centre(change).reshape(-1)
+                change = weighed(change, part, weights, self.laws)
                 if centre is not None and self.label == "A":
                     change = change - centre[part]
                 sums[part] = sums.get(part, 0.0) + change
