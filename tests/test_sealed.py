@@ -199,12 +199,18 @@ def _ctx(round_id, updates, reference, scales=None):
     )
 
 
-def test_the_owners_values_are_those_of_the_clients_changes_read_in_the_clear(tmp_path):
-    det = _LinearDetector(dim=10, rows=5, cols=16, m=4, owners=2)
+def _sealed(**sealed) -> AttributionConfig:
+    """The sealed mode without a taper (the linear detector has no reference probabilities)."""
     config = AttributionConfig()
     config.protocol.mode = "sealed"
     config.calibrated.taper = 0.0
-    config.sealed = SealedConfig(random_keys=63)
+    config.sealed = SealedConfig(**sealed)
+    return config
+
+
+def test_the_owners_values_are_those_of_the_clients_changes_read_in_the_clear(tmp_path):
+    det = _LinearDetector(dim=10, rows=5, cols=16, m=4, owners=2)
+    config = _sealed(random_keys=63)
     tap = PlaintextTap()
     # Unequal FedAvg scales; client 3 joins in round 2, client 2 sits it out.
     rounds = [{0: 0.5, 1: 1.5, 2: 1.0}, {0: 2.0, 1: 0.5, 3: 1.5}]
@@ -254,10 +260,7 @@ def test_the_owners_values_are_those_of_the_clients_changes_read_in_the_clear(tm
 
 def test_a_sum_too_large_for_the_ring_is_refused_in_the_round_it_appears():
     det = _LinearDetector(dim=10, rows=5, cols=16, m=4, owners=1)
-    config = AttributionConfig()
-    config.protocol.mode = "sealed"
-    config.calibrated.taper = 0.0
-    config.sealed = SealedConfig(mask_scale=1e9, frac_bits=40)
+    config = _sealed(mask_scale=1e9, frac_bits=40)
     tap = PlaintextTap()
     obs = SealedObserver(config, det, tap, lambda ps: dict.fromkeys(ps, 1.0), 3)
     tap.updates = {c: {"x.lora_A": torch.full((2, 5), 1e-2)} for c in range(4)}
@@ -269,10 +272,7 @@ def test_a_sealed_run_cut_after_a_round_resumes_to_the_same_owner_values(tmp_pat
     import copy
 
     det = _LinearDetector(dim=10, rows=5, cols=16, m=4, owners=1)
-    config = AttributionConfig()
-    config.protocol.mode = "sealed"
-    config.calibrated.taper = 0.0
-    config.sealed = SealedConfig(random_keys=31)
+    config = _sealed(random_keys=31)
     scales = lambda ps: dict.fromkeys(ps, 1.0)  # noqa: E731
     gen = torch.Generator().manual_seed(2)
     reference = {"x.lora_A": 1e-2 * torch.randn(2, 5, generator=gen)}
