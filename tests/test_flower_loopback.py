@@ -124,3 +124,39 @@ def test_flower_local_refuses_what_it_cannot_run_before_starting_a_process(
             err = capsys.readouterr().err
             assert message in err and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.json"]  # no runs/, no d1/
+
+
+def test_a_sealed_run_on_flower_processes_every_party_its_own(tiny_cache, tmp_path):
+    import numpy as np
+    import torch
+
+    # Four clients, two share servers and two owners: eight SuperNode processes.
+    cfg = load(
+        RunConfig,
+        None,
+        _small(
+            tiny_cache,
+            "fl.rounds=1",
+            "fl.batched=false",
+            "attribution.protocol.mode=sealed",
+            "attribution.sealed.random_keys=31",
+            "watermark.kgw.probes=documents",
+            "variants=[]",
+        ),
+    )
+    data = _run(tmp_path, "run", cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every process of the federation (FEDATTR_THREADS=1)
+    try:
+        local = run_experiment(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    # Fresh masks each run: the owners' values agree up to the shares' float32 rounding.
+    assert [c["flagged"] for c in data["clients"]] == [c.flagged for c in local.report.clients]
+    np.testing.assert_allclose(
+        [c["Z"] for c in data["clients"]], [c.Z for c in local.report.clients], atol=5e-3
+    )
+    assert data["sealed"]["share_reads"] == 2 * cfg.fl.K
+    assert data["runtime"]["nodes"].keys() == {"0", "1", "2", "3"}
+    for s in "AB":
+        assert (tmp_path / "run" / "flower" / f"server-{s}" / "sums-round1.pt").is_file()

@@ -407,14 +407,13 @@ def test_the_sealed_mode_needs_no_subset_design_but_a_quorum_a_round(tiny_cache)
         load(RunConfig, None, [*sealed, "fl.participation=0.5", "secagg.min_members=4"])
 
 
-def test_flower_refuses_the_sealed_mode_before_starting_a_process(tiny_cache):
+def test_a_remote_runtime_without_the_parties_refuses_the_sealed_mode(tiny_cache):
     from fedattr.config import load
-    from fedattr.flower.server_app import check_settings
-    from fedattr.pipeline.config import RunConfig
+    from fedattr.pipeline.config import RunConfig, require_in_process
 
     cfg = load(RunConfig, None, small_overrides(tiny_cache, "attribution.protocol.mode=sealed"))
-    with pytest.raises(UserError, match="sealed: runs in process only"):
-        check_settings(cfg, "run")
+    with pytest.raises(UserError, match="runs it only with its share servers and owners"):
+        require_in_process(cfg)
 
 
 def test_the_synthetic_demo_refuses_the_sealed_mode():

@@ -26,9 +26,12 @@ from ..data.records import Record
 from ..errors import UserError
 from ..fl.node import LLMClientNode, SyntheticClientNode
 from ..runtime import set_threads
+from ..secagg.envelope import seal_arrays
 from ..secagg.party import MaskingParty
+from ..secagg.sealed import split_update
 from ..secagg.wire import QueryBatch
 from ..updates import UpdateLayout
+from . import sealed_nodes
 from .records import arrays, config, config_of, record_state, unarrays
 
 app = ClientApp()
@@ -76,10 +79,17 @@ def _party(cfg: Any, client: int, context: Context) -> MaskingParty:
 
 @app.query("register")
 def register(msg: Message, context: Context) -> Message:
-    """Build this client's data from the run's configuration; report its example count."""
+    """Build this client's data from the run's configuration; report its example count (a
+    node playing one of the sealed mode's other parties builds that party instead)."""
     set_threads()
     rec = msg.content.config_records["fedattr"]
     command, text = str(rec["command"]), str(rec["config"])
+    role = sealed_nodes.role_of(context.node_config)
+    if role != "client":
+        if command != "run":
+            raise UserError(f"role: {role} serves LLM runs only (command 'run')")
+        reply = sealed_nodes.register(context, role, text)
+        return Message(RecordDict({"fedattr": config(reply)}), reply_to=msg)
     client = partition_id(context.node_config)
     cfg = config_of(command, text)
     cfg.secagg.torch_device()  # this node's masking device: checked here, before any round
@@ -116,6 +126,16 @@ def train(msg: Message, context: Context) -> Message:
         "layout": json.dumps(layout.to_dict()),
         **stats,
     }
+    if "sealed.mask_sd" in rec:
+        # The sealed mode: what it submits, split into two reading shares, one sealed to each
+        # share server (the coordinator relays them unread).
+        shares = split_update(layout.flatten(update), float(rec["sealed.mask_sd"]))
+        for server, share in zip(sealed_nodes.SERVERS, shares, strict=True):
+            reply[f"sealed.{server}"] = seal_arrays(
+                bytes(rec[f"sealed.pk.{server}"]),
+                {"share": share},
+                sealed_nodes.share_context(round_id, client, server),
+            )
     return Message(RecordDict({"fedattr": config(reply)}), reply_to=msg)
 
 
@@ -156,3 +176,32 @@ def sa_batch(msg: Message, context: Context) -> Message:
         }
     )
     return Message(content, reply_to=msg)
+
+
+# -- the sealed mode's other parties (see :mod:`.sealed_nodes`) -------------------------------
+
+
+@app.query("sealed_read")
+def sealed_read(msg: Message, context: Context) -> Message:
+    """A share server: open the round's sum once, read every share."""
+    set_threads()
+    return sealed_nodes.read_round(msg, context)
+
+
+@app.query("sealed_open")
+def sealed_open(msg: Message, context: Context) -> Message:
+    """A share server: a phase of the owners' openings."""
+    set_threads()
+    return sealed_nodes.open_owners(msg, context)
+
+
+@app.query("sealed_key")
+def sealed_key(msg: Message, context: Context) -> Message:
+    """An owner: its key's shares, sealed to the servers."""
+    return sealed_nodes.share_key(msg, context)
+
+
+@app.query("sealed_verdict")
+def sealed_verdict(msg: Message, context: Context) -> Message:
+    """An owner: its p-values from what the servers sealed to it."""
+    return sealed_nodes.verdict(msg, context)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,11 +137,15 @@ class LoopbackFederation:
         threads: int = 1,
         say: Say | None = None,
         start_timeout: float = 120.0,
+        parties: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         if nodes < 1:
             raise UserError(f"nodes: must be >= 1, got {nodes}")
         self.nodes, self.workdir = nodes, Path(workdir).resolve()
         self.node_config = dict(node_config or {})
+        self.parties = [dict(p) for p in parties]
+        """Further SuperNodes, each with its own ``--node-config`` (the sealed mode's share
+        servers and owners)."""
         self.say = say or (lambda _m: None)
         self.start_timeout = start_timeout
         self.bin = Path(sys.executable).parent
@@ -196,7 +200,7 @@ class LoopbackFederation:
         start = time.perf_counter()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.home.mkdir(parents=True, exist_ok=True)
-        self.port, *node_ports = free_ports(1 + self.nodes)
+        self.port, *node_ports = free_ports(1 + self.nodes + len(self.parties))
         link = self._spawn(
             [
                 "flower-superlink",
@@ -219,10 +223,9 @@ class LoopbackFederation:
 
         self._wait(healthy, link, "the SuperLink", "superlink.log")
         self.timings["superlink_ready_s"] = time.perf_counter() - start
-        for i, port in enumerate(node_ports):
-            settings = " ".join(
-                f"{k}={_toml(v)}" for k, v in {"partition-id": i, **self.node_config}.items()
-            )
+        configs = [{"partition-id": i, **self.node_config} for i in range(self.nodes)]
+        for i, (port, node) in enumerate(zip(node_ports, configs + self.parties, strict=True)):
+            settings = " ".join(f"{k}={_toml(v)}" for k, v in node.items())
             self._spawn(
                 [
                     "flower-supernode",
@@ -252,7 +255,8 @@ class LoopbackFederation:
             f'address = "127.0.0.1:{self.port}"\ninsecure = true\n'
         )
         self.say(
-            f"flower: SuperLink on 127.0.0.1:{self.port} and {self.nodes} SuperNodes "
+            f"flower: SuperLink on 127.0.0.1:{self.port} and "
+            f"{self.nodes + len(self.parties)} SuperNodes "
             f"ready in {self.timings['nodes_ready_s']:.1f} s (logs: {self.logs})"
         )
         return self
@@ -376,6 +380,21 @@ class ServerAppError(RuntimeError):
     """The ServerApp failed with a bug; the message holds its traceback."""
 
 
+def sealed_nodes(config: Any, work: Path) -> list[dict[str, Any]]:
+    """The sealed mode's SuperNodes beside the clients (none in another mode): share servers A
+    and B, each keeping its running sums in its own folder under ``work``, and one node per
+    owner."""
+    from .server_app import sealed_parties
+
+    if config.attribution.protocol.mode != "sealed":
+        return []
+    servers = [
+        {"role": "share-server", "server": s, "state-dir": str((work / f"server-{s}").resolve())}
+        for s in ("A", "B")
+    ]
+    return servers + [{"role": "owner", "owner": j} for j in range(sealed_parties(config) - 2)]
+
+
 def run_loopback(
     command: str,
     config: Any,
@@ -410,7 +429,8 @@ def run_loopback(
             shown = len(lines)
         return results.is_file() or error.is_file()
 
-    with LoopbackFederation(clients, work, node_config, say=say) as fed:
+    parties = sealed_nodes(config, work) if command == "run" else []
+    with LoopbackFederation(clients, work, node_config, say=say, parties=parties) as fed:
         start = time.perf_counter()
         run_id = fed.submit(
             app,

@@ -35,6 +35,9 @@ class FlowerLink:
         self.grid, self.timeout, self.poll = grid, float(timeout), poll
         self.say = say or (lambda _msg: None)
         self.node_of: dict[int, int] = {}
+        self.parties: dict[tuple[str, str], dict[str, Any]] = {}
+        """(role, name) -> what a SuperNode that is not a client registered (``node``, its
+        ``public_key``): the sealed mode's share servers and owners."""
         self.messages = 0
         self.seconds: dict[str, float] = {}
         """Wall time per message type (sending to the last reply)."""
@@ -99,15 +102,18 @@ class FlowerLink:
             time.sleep(self.poll)
         return replies
 
-    def register(self, command: str, config_json: str, clients: int, wait: float) -> list[int]:
-        """Send the configuration to every node; map client ids to nodes; return the clients'
-        example counts (client order)."""
-        nodes = self.wait_for_nodes(clients, wait)
-        if len(nodes) != clients:
+    def register(
+        self, command: str, config_json: str, clients: int, wait: float, parties: int = 0
+    ) -> list[int]:
+        """Send the configuration to every node; map client ids to nodes (and the ``parties``
+        other SuperNodes to their roles); return the clients' example counts (client order)."""
+        nodes = self.wait_for_nodes(clients + parties, wait)
+        if len(nodes) != clients + parties:
+            others = f" and {parties} for the sealed mode's parties" if parties else ""
             raise UserError(
                 f"fl.K: the run has {clients} clients but {len(nodes)} SuperNodes are connected "
                 f"after {wait:.0f} s; start one SuperNode per client "
-                f"(partition-id 0..{clients - 1})"
+                f"(partition-id 0..{clients - 1}){others}"
             )
         content = {"command": command, "config": config_json}
         replies = self._exchange(
@@ -129,6 +135,13 @@ class FlowerLink:
         sizes: dict[int, int] = {}
         for node, reply in replies.items():
             rec = reply.content.config_records["fedattr"]
+            role = str(rec.get("role", "client"))
+            if role != "client":
+                who = (role, str(rec["name"]))
+                if who in self.parties:
+                    raise UserError(f"role: two SuperNodes play {role} {who[1]}; one each")
+                self.parties[who] = {"node": node, "public_key": bytes(rec["public_key"])}
+                continue
             client = int(rec["client"])
             if client in self.node_of:
                 raise UserError(
@@ -145,8 +158,14 @@ class FlowerLink:
         self.say(
             f"{clients} clients registered: "
             + ", ".join(f"{c}->node {self.node_of[c]}" for c in sorted(self.node_of))
+            + "".join(f"; {r} {n}->node {i['node']}" for (r, n), i in sorted(self.parties.items()))
         )
         return [sizes[c] for c in range(clients)]
+
+    def call(self, kind: str, contents: Mapping[int, RecordDict]) -> dict[int, Message]:
+        """One message to each node of ``contents`` (node id -> content); replies by node (a
+        node that answered with an error, or not in time, is missing; see :attr:`errors`)."""
+        return self._exchange(kind, kind, contents, by_node=True)
 
     def train(
         self,
@@ -155,14 +174,17 @@ class FlowerLink:
         state: Any,
         scales: Mapping[int, float],
         send_state: bool,
+        extra: Mapping[str, Any] | None = None,
     ) -> dict[int, dict]:
-        """One ``train`` message per participant; the replies' fields by client."""
+        """One ``train`` message per participant (``extra`` fields added to each); the
+        replies' fields by client."""
         contents = {}
         for c in participants:
             fields = {
                 "round": round_id,
                 "scale": float(scales[c]),
                 "participants": [int(p) for p in participants],
+                **(extra or {}),
             }
             records = {"fedattr": config(fields)}
             if send_state:

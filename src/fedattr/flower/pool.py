@@ -13,6 +13,7 @@ from ..fl.timing import Stopwatch
 from ..secagg.aggregator import SecureAggregator
 from ..secagg.remote_server import RemoteMaskingServer
 from .link import FlowerLink
+from .sealed import FlowerParties
 
 
 class FlowerPool(ClientPool):
@@ -20,9 +21,17 @@ class FlowerPool(ClientPool):
     public key and layout with SA; a client that does not answer in time is offline for the
     round (the round goes on with the others)."""
 
-    def __init__(self, link: FlowerLink, sizes: Sequence[int], send_state: bool = True) -> None:
+    def __init__(
+        self,
+        link: FlowerLink,
+        sizes: Sequence[int],
+        send_state: bool = True,
+        sealed: FlowerParties | None = None,
+    ) -> None:
         require_usable_examples(sizes)
         self.link, self._sizes, self.send_state = link, list(sizes), send_state
+        self.sealed = sealed
+        """The sealed mode's parties: each client also sends them its reading shares."""
 
     @property
     def num_clients(self) -> int:
@@ -47,7 +56,8 @@ class FlowerPool(ClientPool):
                 f"(got {sa.name})"
             )
         progress(f"round {round_id}: training on {len(participants)} SuperNodes")
-        replies = self.link.train(round_id, participants, state, scales, self.send_state)
+        extra = self.sealed.train_fields(state) if self.sealed is not None else None
+        replies = self.link.train(round_id, participants, state, scales, self.send_state, extra)
         losses: dict[int, float] = {}
         for c in participants:
             reply = replies.get(c)
@@ -56,6 +66,8 @@ class FlowerPool(ClientPool):
                 sa.drop(c)
                 continue
             sa.register(c, bytes(reply["public_key"]), json.loads(str(reply["layout"])))
+            if self.sealed is not None:
+                self.sealed.receive(c, reply)
             if "loss" in reply:
                 losses[c] = float(reply["loss"])
             if timing is not None:

@@ -23,8 +23,10 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from ..attribution.sealed.observer import mask_sd
 from ..config import load
 from ..errors import UserError
+from ..fl.registry import make_strategy
 from ..pipeline.config import require_in_process
 from ..reporting.run_folder import RunFolder
 from ..runtime import set_threads
@@ -33,6 +35,7 @@ from . import COMMANDS
 from .link import FlowerLink
 from .pool import FlowerPool
 from .records import config_json, config_of
+from .sealed import FlowerParties
 
 app = ServerApp()
 
@@ -65,6 +68,19 @@ def _config(run_config: Mapping[str, Any], folder: RunFolder, command: str) -> A
     return config_of(command, json.dumps(folder.saved_config()))
 
 
+def sealed_others(cfg: Any) -> list[str]:
+    """Attribution variants other than the main one that run the sealed mode."""
+    variants = cfg.attribution_variants()
+    return [n for n, a in list(variants.items())[1:] if a.protocol.mode == "sealed"]
+
+
+def sealed_parties(cfg: Any) -> int:
+    """SuperNodes the sealed mode needs beside the clients: two share servers and one node per
+    owner."""
+    wm = cfg.watermark
+    return 2 + (len(wm.kgw.key_files) if wm.kgw.key_files else wm.owners)
+
+
 def check_settings(cfg: Any, command: str) -> None:
     """Refuse the settings a Flower federation cannot run (``fedattr flower local`` checks them
     before it starts any process, the ServerApp again)."""
@@ -84,7 +100,13 @@ def check_settings(cfg: Any, command: str) -> None:
             "fl.clients[].drop: simulated dropouts are for in-process runs; on Flower a node "
             "that misses the timeout is a dropout; allowed: 0"
         )
-    require_in_process(cfg)
+    if command == "demo":
+        require_in_process(cfg)  # the synthetic federation has no detector to read shares with
+    elif sealed_others(cfg):
+        raise UserError(
+            f"variants: on Flower the sealed mode is the main attribution only (its parties "
+            f"serve one); sealed variants {sealed_others(cfg)}; allowed: paper, hardened"
+        )
     if command == "run" and cfg.baselines:
         raise UserError(
             "baselines: they read plaintext client updates, which Flower clients never send; "
@@ -106,14 +128,24 @@ def serve(grid: Grid, run_config: Mapping[str, Any], say: Callable[[str], None] 
     check_settings(cfg, command)
     clients = cfg.fl.K if command == "run" else cfg.synthetic.K
     link = FlowerLink(grid, float(run_config.get("timeout", 600)), say)
+    sealed = command == "run" and cfg.attribution.protocol.mode == "sealed"
     sizes = link.register(
-        command, config_json(cfg), clients, float(run_config.get("wait-nodes", 120))
+        command,
+        config_json(cfg),
+        clients,
+        float(run_config.get("wait-nodes", 120)),
+        parties=sealed_parties(cfg) if sealed else 0,
     )
     sa = cfg.secagg
     server = RemoteMaskingServer(link, sa.min_members, sa.codec(), sa.release_budget or None)
-    pool = FlowerPool(link, sizes, send_state=(command == "run"))
+    parties = None
+    if sealed:
+        strategy, _ = make_strategy(cfg.fl, cfg.lora)
+        scale = cfg.attribution.sealed.mask_scale
+        parties = FlowerParties(link, lambda st: mask_sd(scale, strategy.scoring_params(st)))
+    pool = FlowerPool(link, sizes, send_state=(command == "run"), sealed=parties)
     if command == "run":
-        result = run_experiment(cfg, say, folder, pool=pool, sa=server)
+        result = run_experiment(cfg, say, folder, pool=pool, sa=server, parties=parties)
     else:
         result = run_demo(cfg, say, folder, pool=pool, sa=server)
     import flwr

@@ -206,13 +206,13 @@ class RunConfig:
 
 
 def require_in_process(cfg: RunConfig | DemoConfig) -> None:
-    """Refuse, in one line, what only an in-process run can do (a remote runtime's clients: the
-    Flower ServerApp, ``run_experiment`` with a ``pool``): the sealed mode, whose clients must
-    send reading shares the Flower runtime does not carry yet."""
+    """Refuse, in one line, what a remote runtime's clients cannot do without the sealed mode's
+    other parties (``run_experiment`` with a ``pool`` and no ``parties``): the sealed mode,
+    whose clients send reading shares to two servers."""
     if any(a.protocol.mode == "sealed" for a in cfg.attribution_variants().values()):
         raise UserError(
-            "attribution.protocol.mode=sealed: runs in process only (the Flower runtime does "
-            "not carry the clients' reading shares yet); allowed on Flower: paper, hardened"
+            "attribution.protocol.mode=sealed: a remote runtime runs it only with its share "
+            "servers and owners (fedattr flower starts them); allowed here: paper, hardened"
         )
 
 

@@ -27,6 +27,7 @@ from ..attribution.observer import AttributionObserver, CeilingObserver
 from ..attribution.protocol import FedAttr
 from ..attribution.scoring import LinearScorer, scorer_null
 from ..attribution.sealed import SealedObserver
+from ..attribution.sealed.parties import Parties
 from ..attribution.stouffer import AttributionReport
 from ..baselines import BaselineRecorder, BaselineResult
 from ..baselines.observer import BaselineObserver
@@ -314,12 +315,57 @@ def check_inputs(cfg: RunConfig) -> None:
         check_model_source(cfg.model.name_or_path)
 
 
+def detection_scorer(
+    cfg: RunConfig,
+    model: Any,
+    tokenizer: Any,
+    fed: Any,
+    detector: Detector,
+    probes: str | None = None,
+) -> Any:
+    """The configured watermark's scorer reading ``model`` (with LoRA attached) on the
+    federation's detection data and owners' documents (``probes`` overrides
+    ``watermark.kgw.probes``)."""
+    wm = cfg.watermark
+    setup = DetectionSetup(
+        config=wm
+        if probes is None
+        else dataclasses.replace(wm, kgw=dataclasses.replace(wm.kgw, probes=probes)),
+        model=model,
+        tokenizer=tokenizer,
+        owners=fed.owners,
+        detect_records=fed.detect_records,
+        detect_prompts=fed.detect_prompts,
+        load_state=load_state,
+        max_len=cfg.data.max_len,
+        stack=candidate_stacker(model),
+        owner_documents=fed.owner_docs,
+    )
+    return WATERMARKS[wm.kind].scorer(setup, detector)
+
+
+def public_reader(cfg: RunConfig, documents: dict[str, Any], say: Say | None = None) -> Any:
+    """The run's reading detector as a party that holds no client data builds it: the model
+    (LoRA attached), the owners' documents (from ``documents``, a store as the run folder
+    keeps it; written by the teacher where it holds none, and added to it) and the detector
+    over them. The sealed mode's servers read shares with it; its owners take their keys from
+    it (a simulation: every party derives the documents from the configuration)."""
+    progress = Progress(say)
+    model, tokenizer = load_model(cfg.model, progress)
+    fed = build_federation(
+        cfg.data, cfg.watermark, cfg.fl.K, cfg.fl.seed, model, tokenizer, progress, documents
+    )
+    model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
+    return detection_scorer(cfg, model, tokenizer, fed, cfg.watermark.detector)
+
+
 def run_experiment(
     cfg: RunConfig,
     progress: Say | None = None,
     folder: RunFolder | None = None,
     pool: ClientPool | None = None,
     sa: SecureAggregator | None = None,
+    parties: Parties | None = None,
 ) -> RunResult:
     """Run one configured LLM federation end to end.
 
@@ -331,8 +377,10 @@ def run_experiment(
     ``pool`` and ``sa`` replace the in-process clients and the configured SA backend (a remote
     runtime's clients and their aggregator, e.g. :mod:`fedattr.flower`); the server side here
     still builds the federation for its ground truth, the owners' keys and detection data.
+    ``parties`` are the sealed mode's parties on that runtime (its servers and owners: see
+    :mod:`fedattr.attribution.sealed.parties`); without them a remote runtime refuses the mode.
     """
-    if pool is not None:
+    if pool is not None and parties is None:
         require_in_process(cfg)
     say = Progress(progress)
     note = take_note()
@@ -373,26 +421,12 @@ def run_experiment(
             profiles=profiles,
             batched=cfg.fl.batched,
         )
-    kind, wm = WATERMARKS[cfg.watermark.kind], cfg.watermark
+    wm = cfg.watermark
 
     background: ThreadPoolExecutor | None = None
 
     def scorer_for(detector: Detector, reader: Any = model, probes: str | None = None) -> Any:
-        setup = DetectionSetup(
-            config=wm
-            if probes is None
-            else dataclasses.replace(wm, kgw=dataclasses.replace(wm.kgw, probes=probes)),
-            model=reader,
-            tokenizer=tokenizer,
-            owners=fed.owners,
-            detect_records=fed.detect_records,
-            detect_prompts=fed.detect_prompts,
-            load_state=load_state,
-            max_len=cfg.data.max_len,
-            stack=candidate_stacker(reader),
-            owner_documents=fed.owner_docs,
-        )
-        return kind.scorer(setup, detector)
+        return detection_scorer(cfg, reader, tokenizer, fed, detector, probes)
 
     if cfg.attribution.scoring == "owner":
         # The server holds no owner key: it exports each round for the owners to score.
@@ -428,13 +462,14 @@ def run_experiment(
                 observers[k] = SealedObserver(
                     a,
                     scorer,
-                    pool.open_tap(),
+                    pool.open_tap() if parties is None else None,
                     pool.scales,
                     cfg.secagg.min_members,
                     name,
                     primary=(k == 0),
                     marked=fed.owner_of,
                     folder=None if folder is None else folder.path,
+                    parties=parties,
                 )
         if cfg.ceiling:
             # Reads the plaintext updates (as the baselines do): a simulation's measurement.

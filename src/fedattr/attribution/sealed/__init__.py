@@ -19,19 +19,24 @@ rounds. Here no subset sum is ever asked:
    the key never leaves the owner in the clear) and under ``n`` public random keys of the same
    law; its p-value is the owner key's rank among them, exact at any ``n`` (:mod:`.owner`).
 
-The threat model (who may collude with whom, what each party sees) is in
-``docs/explanation/sealed-mode.md``.
+Where the parties run (:mod:`.parties`): all in this process, or each on its own Flower node
+(:mod:`fedattr.flower.sealed`). The threat model (who may collude with whom, what each party
+sees) is in ``docs/explanation/sealed-mode.md``.
 """
 
 from .observer import SealedAttribution, SealedObserver
 from .owner import OwnerOpenings, sealed_report
+from .parties import LocalParties, Parties, Verdicts
 from .servers import ReadingServer, first_order_parts
 
 __all__ = [
+    "LocalParties",
     "OwnerOpenings",
+    "Parties",
     "ReadingServer",
     "SealedAttribution",
     "SealedObserver",
+    "Verdicts",
     "first_order_parts",
     "sealed_report",
 ]

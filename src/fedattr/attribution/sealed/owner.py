@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from scipy.stats import norm
 
 from ...secagg.beaver import decode
 from ..stouffer import AttributionReport, ClientAttribution, over_statistics
+
+if TYPE_CHECKING:
+    from .parties import Verdicts
 
 
 @dataclass
@@ -70,23 +74,32 @@ class OwnerOpenings:
         above = (null >= (values - slack)[:, None]).sum(axis=1)
         return (1.0 + above) / (null.shape[1] + 1.0)
 
+    def statistics(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """What owner ``name`` publishes per client: its rank p (:meth:`p_values`) and its
+        value standardised by the random keys' mean and SD (for display; 0 where they do not
+        vary)."""
+        values, null = self.owner[name], self.random[name]
+        sd = null.std(axis=1) if null.shape[1] > 1 else np.zeros(len(values))
+        mid = null.mean(axis=1) if null.shape[1] else np.zeros(len(values))
+        Z = np.where(sd > 0, (values - mid) / np.where(sd > 0, sd, 1.0), 0.0)
+        return self.p_values(name), Z
+
 
 def sealed_report(
-    openings: OwnerOpenings,
+    verdicts: Verdicts,
     truth: Mapping[int, bool] | None,
     alpha: float,
     level: float,
 ) -> AttributionReport:
-    """The verdict from the owners' openings: rank p per (client, owner), named below
+    """The verdict from what the owners published: rank p per (client, owner), named below
     ``level``; the combined row per client Bonferroni-adjusted over owners."""
-    owners = sorted(openings.owner)
+    owners = sorted(verdicts.p)
     S = max(1, len(owners))
     threshold = float(norm.isf(level))
     components = {o: AttributionReport(gamma=threshold) for o in owners}
     combined = AttributionReport(gamma=threshold, components=components)
-    index = {c: i for i, c in enumerate(openings.clients)}
-    p = {o: openings.p_values(o) for o in owners}
-    for c in sorted(set(openings.clients) | set(truth or {})):
+    index = {c: i for i, c in enumerate(verdicts.clients)}
+    for c in sorted(set(verdicts.clients) | set(truth or {})):
         watermarked = None if truth is None else bool(truth.get(c, False))
         rows = []
         for o in owners:
@@ -97,14 +110,11 @@ def sealed_report(
                     watermarked=watermarked, statistic=o, tail="random-keys",
                 )  # fmt: skip
             else:
-                value, null = float(openings.owner[o][i]), openings.random[o][i]
-                sd = float(null.std()) if null.size > 1 else 0.0
-                mid = float(null.mean()) if null.size else 0.0
-                pv = float(p[o][i])
+                pv = float(verdicts.p[o][i])
                 row = ClientAttribution(
                     id=c,
                     z={},
-                    Z=(value - mid) / sd if sd > 0 else 0.0,
+                    Z=float(verdicts.Z[o][i]),
                     p=pv,
                     log10_p=math.log10(pv),
                     flagged=pv < level,
@@ -122,7 +132,7 @@ def sealed_report(
         rep.statistic, rep.alpha, rep.null_keys, rep.level = (
             "calibrated",
             alpha,
-            openings.keys,
+            verdicts.keys,
             level,
         )
     return combined

@@ -1,0 +1,284 @@
+"""Where the sealed mode's parties live: the clients, the two reading servers, the dealer and
+the owners.
+
+:class:`~.observer.SealedObserver` is the coordinator: it asks the parties for each round's
+work and for the owners' verdicts at the end, and computes only public things itself (the
+masks' scale, the taper, round 1's centre from the round's aggregate). The parties answer
+through :class:`Parties`: :class:`LocalParties` plays them all in this process (a simulation:
+the clients split what the pool holds); :mod:`fedattr.flower.sealed` puts each on its own Flower
+node, every message between two of them sealed to the recipient.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ...errors import UserError
+from ...fl.pool import PlaintextTap
+from ...secagg.beaver import Dealer, shared_inner_products
+from ...secagg.beaver import split as ring_split
+from ...secagg.sealed import split_update
+from ...updates import UpdateLayout, scale_update
+from ...watermarks.nullkeys import RandomSubsetKeys
+from ...watermarks.tail.laws import RowSubsets
+from .owner import OwnerOpenings
+from .servers import Read, ReadingServer
+
+
+@dataclass
+class RoundWork:
+    """What the coordinator hands the parties for one round (all of it public, or the
+    clients' own)."""
+
+    round: int
+    previous: int | None
+    """The last round the servers read before this one (``None``: this is the first)."""
+    answered: list[int]
+    scales: dict[int, float]
+    layout: UpdateLayout
+    mask_sd: float
+    reference: Any
+    weights: Mapping[str, torch.Tensor]
+    centre: Mapping[str, torch.Tensor] | None
+    """Round 1's public centre (server A subtracts it); ``None`` after round 1."""
+    frac_bits: int
+
+
+@dataclass
+class Verdicts:
+    """What the owners publish: per owner, every client's rank p and standardised value."""
+
+    clients: list[int]
+    keys: int
+    p: dict[str, np.ndarray] = field(default_factory=dict)
+    Z: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class Opening:
+    """What the coordinator asks of the parties at the end."""
+
+    clients: list[int]
+    keys: int
+    """Public random keys per owner."""
+    seed: int
+    """Their seed (public)."""
+    frac_bits: int
+
+
+class Parties(Protocol):
+    """The sealed mode's parties, wherever they run."""
+
+    def owners(self) -> list[str]:
+        """The owners' names (sorted)."""
+        ...
+
+    def round(self, work: RoundWork) -> np.ndarray:
+        """Clients send their shares; each server opens its sum over ``work.answered`` (the
+        two returned added: the round's weighted aggregate, flat float64) and reads its
+        shares into its running sums."""
+        ...
+
+    def clients(self) -> list[int]:
+        """Clients both servers hold a running sum of."""
+        ...
+
+    def open(self, opening: Opening) -> tuple[Verdicts, dict[str, Any]]:
+        """The owners' verdicts, and the openings' cost (bytes, triples, cells, seconds)."""
+        ...
+
+    @property
+    def reads(self) -> int:
+        """First-order reads of shares over the run (both servers)."""
+        ...
+
+    def attack(self) -> dict[str, Any]:
+        """The simulation's attack on server A's view (empty where the truth is not here)."""
+        ...
+
+    def state(self) -> Any: ...
+
+    def load(self, state: Any) -> None: ...
+
+
+def opening_bytes(clients: int, cells: Mapping[str, int], keys: int) -> int:
+    """Bytes the openings move, per owner, in 8-byte elements: the dealer's triple shares to
+    both servers, the owner's key shares, both servers' Beaver openings, their result and
+    random-key shares."""
+    n = clients
+    return sum(
+        8 * (2 * (n * c + c + n) + 2 * c + 2 * (n * c + c) + 2 * n * (2 + keys))
+        for c in cells.values()
+    )
+
+
+def random_keys(n: int, seed: int, law: RowSubsets, rows: int) -> RandomSubsetKeys:
+    """The ``n`` public random keys (``seed``) every server reads its shares under: the
+    owners' law, ``rows`` rows (the largest owner part's)."""
+    return RandomSubsetKeys(n, seed, rows, law.cols, law.m)
+
+
+def owner_keys(scorer: Any) -> dict[str, tuple[str, torch.Tensor]]:
+    """Owner -> (the part that reads its documents, its key: the green mask) of a detector."""
+    return {o: (part, G) for part in scorer.key_laws() for o, G in scorer.owner_keys(part).items()}
+
+
+class LocalParties:
+    """Every party in this process: the clients split what the pool holds (``tap``) as they
+    would before sending; two :class:`ReadingServer` objects; a :class:`Dealer`; the owners'
+    keys from the detector."""
+
+    def __init__(
+        self,
+        tap: PlaintextTap,
+        read: Read,
+        laws: Mapping[str, RowSubsets],
+        owner_keys: Mapping[str, tuple[str, torch.Tensor]],
+        min_members: int,
+    ) -> None:
+        self.tap, self.read, self.laws = tap, read, dict(laws)
+        self.keys_of = dict(owner_keys)
+        self.servers = [ReadingServer(b, min_members, self.laws) for b in ("A", "B")]
+        self.privacy: dict[int, dict[str, Any]] = {}
+        """Client -> running sums for the simulation's attack on server A's view."""
+        self.aggregates: list[np.ndarray] = []
+        self.owner_openings: OwnerOpenings | None = None
+        """What the owners received (after the verdict)."""
+
+    def owners(self) -> list[str]:
+        return sorted(self.keys_of)
+
+    @property
+    def reads(self) -> int:
+        return sum(s.reads for s in self.servers)
+
+    def clients(self) -> list[int]:
+        return sorted(set(self.servers[0].W) & set(self.servers[1].W))
+
+    def round(self, work: RoundWork) -> np.ndarray:
+        missing = [c for c in work.answered if c not in self.tap.updates]
+        if missing:
+            raise RuntimeError(f"sealed mode: no submitted update of answering clients {missing}")
+        for c in work.answered:
+            flat = work.layout.flatten(scale_update(self.tap.updates[c], work.scales[c]))
+            share_a, share_b = split_update(flat, work.mask_sd)
+            self.servers[0].shares.receive(c, share_a)
+            self.servers[1].shares.receive(c, share_b)
+            self._observe_attack(c, flat, share_a)
+        total = self.servers[0].shares.total(work.answered)
+        total = total + self.servers[1].shares.total(work.answered)
+        self.aggregates.append(total / sum(work.scales[c] for c in work.answered))
+        for server in self.servers:
+            server.read_round(self.read, work.reference, work.layout, work.weights, work.centre)
+            server.check_fits(work.frac_bits)
+            server.shares.close_round()
+        return np.asarray(total)
+
+    def _observe_attack(self, client: int, flat: np.ndarray, share: np.ndarray) -> None:
+        """Running sums for the measurement of what server A's shares reveal (a simulation's:
+        it reads the true update beside the share)."""
+        acc = self.privacy.setdefault(client, {"rounds": 0, "true": 0.0, "share": 0.0})
+        acc["rounds"] += 1
+        acc["true"] = acc["true"] + flat
+        acc["share"] = acc["share"] + share
+
+    def open(self, opening: Opening) -> tuple[Verdicts, dict[str, Any]]:
+        clients, frac = opening.clients, opening.frac_bits
+        t0 = time.perf_counter()
+        openings = OwnerOpenings(clients, opening.keys)
+        dealer = Dealer()
+        owners = self.owners() if clients else []
+        cells = {o: int(self.servers[0].W[clients[0]][self.keys_of[o][0]].numel()) for o in owners}
+        if owners:
+            law = check_laws([self.laws[self.keys_of[o][0]] for o in owners])
+            # Public random keys, drawn once for every owner's part (its first rows each).
+            keys = random_keys(opening.keys, opening.seed, law, max(cells.values()) // law.cols)
+            blocks = [
+                torch.stack([s.W[c][self.keys_of[o][0]] for c in clients])
+                for o in owners
+                for s in self.servers
+            ]
+            values = keys.values_many(blocks)
+            for j, owner in enumerate(owners):
+                part, G = self.keys_of[owner]
+                # Each server sends its share of every client's random-key values to the
+                # owner, with the L1 norm of its share (their float rounding's bound).
+                random = values[2 * j] + values[2 * j + 1]
+                l1 = self.servers[0].l1(part, clients) + self.servers[1].l1(part, clients)
+                ring = [s.ring_shares(part, clients, frac) for s in self.servers]
+                key = ring_split(G.reshape(-1).long())  # the owner shares its key
+                (z0, z1), _ = shared_inner_products((ring[0], ring[1]), key, dealer)
+                openings.add_owner(owner, z0 + z1, random, int(G.sum()), frac, l1, cells[owner])
+        self.owner_openings = openings
+        verdicts = Verdicts(clients, opening.keys)
+        for owner in owners:
+            verdicts.p[owner], verdicts.Z[owner] = openings.statistics(owner)
+        cost = {
+            "opening_bytes": opening_bytes(len(clients), cells, opening.keys),
+            "cells": cells,
+            "triples_dealt": dealer.dealt,
+            "seconds": time.perf_counter() - t0,
+        }
+        return verdicts, cost
+
+    def attack(self) -> dict[str, Any]:
+        """Attacks on server A's view of the run, each client's mean update estimated from
+        what it saw, as relative errors (median and smallest over clients): ``prior``, the
+        federation's mean update (public); ``shares``, its mean share scaled; ``prior+shares``,
+        the prior plus the scaled share's departure from it; ``subspace``, the prior plus that
+        departure projected on the span of the round aggregates (where updates mostly lie,
+        which removes all but ``T`` dimensions of the masks' noise). Each scale is fitted on the
+        truth: a bound on any attack of its form. A simulation's measurement."""
+        if not self.privacy:
+            return {}
+        prior = np.mean(self.aggregates, axis=0)
+        basis, _ = np.linalg.qr(np.stack(self.aggregates, axis=1))
+        rel: dict[str, list[float]] = {
+            "prior": [],
+            "shares": [],
+            "prior+shares": [],
+            "subspace": [],
+        }
+        for acc in self.privacy.values():
+            truth = acc["true"] / acc["rounds"]
+            share = acc["share"] / acc["rounds"]
+            norm = float(np.linalg.norm(truth)) or 1.0
+            rel["prior"].append(float(np.linalg.norm(truth - prior)) / norm)
+            guesses = {
+                "shares": (0.0, share),
+                "prior+shares": (prior, share - prior),
+                "subspace": (prior, basis @ (basis.T @ (share - prior))),
+            }
+            for name, (base, x) in guesses.items():
+                y = truth - base
+                c = float(np.dot(x, y) / max(1e-300, float(np.dot(x, x))))
+                rel[name].append(float(np.linalg.norm(y - c * x)) / norm)
+        return {f"{k}_median": float(np.median(v)) for k, v in rel.items()} | {
+            f"{k}_min": float(np.min(v)) for k, v in rel.items()
+        }
+
+    def state(self) -> dict:
+        return {
+            "servers": [s.state() for s in self.servers],
+            "privacy": self.privacy,
+            "aggregates": self.aggregates,
+        }
+
+    def load(self, state: dict) -> None:
+        for server, saved in zip(self.servers, state["servers"], strict=True):
+            server.load(saved)
+        self.privacy, self.aggregates = state["privacy"], state["aggregates"]
+
+
+def check_laws(laws: Sequence[RowSubsets]) -> RowSubsets:
+    """The one key law every owner's part shares (the random keys serve them all)."""
+    first = laws[0]
+    if any((w.cols, w.m) != (first.cols, first.m) for w in laws):
+        raise UserError("attribution.protocol.mode=sealed: owners' key laws must agree")
+    return first

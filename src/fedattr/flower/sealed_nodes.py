@@ -1,0 +1,338 @@
+"""The sealed mode's parties that are not clients, each a Flower SuperNode of its own: the two
+share servers and the owners (``--node-config "role='share-server' server='A'
+state-dir='...'"``; ``role='owner' owner=0``).
+
+Everything a party receives through the ServerApp (the coordinator) is sealed to it
+(:mod:`fedattr.secagg.envelope`): clients' shares to a server, one server's Beaver opening to
+the other, an owner's key shares to the servers, the servers' results to an owner. The
+coordinator only relays; it deals the Beaver triples (it sees no data) and reads the aggregate.
+
+- A **share server** opens its sum of a round's shares once, over the round's answering clients
+  (at least ``secagg.min_members``: one client's share, or a second set for the same round, is
+  refused), reads every share to first order and keeps its running sums on its own disk
+  (``state-dir``, one file a round read: a coordinator that resumes asks from the round it
+  checkpointed). At the end it enters the owners' inner products and reads its shares under the
+  public random keys, both sealed to the owner.
+- An **owner** holds its key (green lists): it sends the key's ring shares to the servers and,
+  from what they send back, computes its own rank p per client, and publishes only that.
+
+In this simulation every party derives the owners' documents from the configuration (the
+teacher writes them once per party, kept in the node's state); the servers' code reads no key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+from ..attribution.sealed.owner import OwnerOpenings
+from ..attribution.sealed.parties import owner_keys, random_keys
+from ..attribution.sealed.servers import ReadingServer, first_order_parts
+from ..errors import UserError
+from ..secagg.beaver import InnerProductParty, TripleShare
+from ..secagg.beaver import split as ring_split
+from ..secagg.envelope import Recipient, seal_arrays
+from ..secagg.errors import QueryRefused
+from ..updates import UpdateLayout
+from ..watermarks.tail.laws import RowSubsets
+from .records import arrays, config, config_of, record_state, unarrays
+
+ROLES = ("client", "share-server", "owner")
+"""What a SuperNode plays (``--node-config role=...``; ``client`` by default)."""
+SERVERS = ("A", "B")
+_PARTY, _KEY = "fedattr.sealed", "fedattr.sealed.key"
+
+# A SuperNode may serve many messages from one process: the reader is built once there.
+_READERS: dict[str, Any] = {}
+
+
+def role_of(node_config: Any) -> str:
+    """This SuperNode's role, checked."""
+    role = str(node_config.get("role", "client"))
+    if role not in ROLES:
+        raise UserError(f"role: unknown {role!r}; allowed: {', '.join(ROLES)}")
+    return role
+
+
+def share_context(round_id: int, client: int, server: str) -> str:
+    """The envelope context of a client's share to a server."""
+    return f"sealed/share/round={round_id}/client={client}/server={server}"
+
+
+def _reader(text: str, documents: dict[str, Any]) -> Any:
+    if text not in _READERS:
+        from ..pipeline.run import public_reader
+
+        _READERS.clear()
+        _READERS[text] = public_reader(config_of("run", text), documents)
+    return _READERS[text]
+
+
+def _stored(context: Context) -> tuple[ConfigRecord, Recipient]:
+    if _PARTY not in context.state.config_records:
+        raise UserError("this node was never registered for the run (no query.register message)")
+    stored = context.state.config_records[_PARTY]
+    return stored, Recipient(bytes(stored["private_key"]))
+
+
+def _reader_of(stored: ConfigRecord) -> Any:
+    """The detector a server reads shares with (built once per process)."""
+    return _reader(str(stored["config"]), json.loads(str(stored["documents"])))
+
+
+def _laws(stored: ConfigRecord) -> dict[str, RowSubsets]:
+    return {p: RowSubsets(m, cols) for p, (m, cols) in json.loads(str(stored["laws"])).items()}
+
+
+def register(context: Context, role: str, text: str) -> dict[str, Any]:
+    """Build this party from the run's configuration (the owners' documents, written once and
+    kept); its envelope key. Returns what it tells the coordinator: its role, name and public
+    key."""
+    node_config = context.node_config
+    cfg = config_of("run", text)
+    stored: dict[str, Any] = {"role": role, "config": text}
+    if role == "share-server":
+        name = str(node_config.get("server", ""))
+        if name not in SERVERS:
+            raise UserError(f"server: a share server is A or B, got {name!r}")
+        folder = node_config.get("state-dir")
+        if not folder:
+            raise UserError("state-dir: a share server keeps its running sums on its own disk")
+        Path(str(folder)).mkdir(parents=True, exist_ok=True)
+        stored["state_dir"] = str(folder)
+    documents: dict[str, Any] = {}
+    _READERS.pop(text, None)
+    reader = _reader(text, documents)
+    if role == "owner":
+        names = sorted(owner_keys(reader))
+        raw = node_config.get("owner")
+        try:
+            index = int(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise UserError(
+                f"owner: an owner node's index, 0..{len(names) - 1}; got {raw!r}"
+            ) from None
+        if not 0 <= index < len(names):
+            raise UserError(
+                f"owner: {index} is not an owner of this run; allowed: 0..{len(names) - 1}"
+            )
+        name = names[index]
+        # The owner keeps its key (its green mask), nothing else of the documents' reading.
+        part, G = owner_keys(reader)[name]
+        stored["part"] = part
+        context.state.array_records[_KEY] = arrays({"green": G.numpy().astype(np.uint8)})
+    recipient = Recipient()
+    laws = {p: [law.m, law.cols] for p, law in reader.key_laws().items()}
+    stored |= {
+        "name": name,
+        "documents": json.dumps(documents),
+        "laws": json.dumps(laws),
+        "private_key": recipient.private_bytes(),
+        "min_members": cfg.secagg.min_members,
+    }
+    context.state.config_records[_PARTY] = config(stored)
+    return {"role": role, "name": name, "public_key": recipient.public_key}
+
+
+# -- the share servers -----------------------------------------------------------------------
+
+
+def _server(stored: ConfigRecord) -> tuple[ReadingServer, Path]:
+    server = ReadingServer(str(stored["name"]), int(stored["min_members"]), _laws(stored))
+    return server, Path(str(stored["state_dir"]))
+
+
+def _sums(folder: Path, round_id: int) -> Path:
+    return folder / f"sums-round{round_id}.pt"
+
+
+def _load_sums(server: ReadingServer, folder: Path, round_id: int) -> None:
+    path = _sums(folder, round_id)
+    if not path.is_file():
+        raise UserError(
+            f"sealed: server {server.label} holds no running sums after round {round_id} "
+            f"(in {folder}); the run cannot continue from there"
+        )
+    server.load(torch.load(path, weights_only=True))
+
+
+def _opened(folder: Path) -> dict[str, list[int]]:
+    path = folder / "opened.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def read_round(msg: Message, context: Context) -> Message:
+    """Open this server's sum of the round's shares (once per round) and read every share."""
+    stored, me = _stored(context)
+    rec = msg.content.config_records["fedattr"]
+    server, folder = _server(stored)
+    round_id, previous = int(rec["round"]), int(rec["previous"])
+    answered = sorted(int(c) for c in rec["answered"])
+    opened = _opened(folder)
+    before = opened.get(str(round_id))
+    if before is not None and before != answered:
+        raise QueryRefused(
+            f"server {server.label} refused: round {round_id}'s shares were opened over "
+            f"{before}; a second set {answered} would isolate the difference"
+        )
+    if previous >= 0:
+        _load_sums(server, folder, previous)
+    for c in answered:
+        envelope = bytes(rec[f"env.{c}"])
+        share = me.open_arrays(envelope, share_context(round_id, c, server.label))["share"]
+        server.shares.receive(c, share)
+    total = server.shares.total(answered)  # refused below min_members clients
+    opened[str(round_id)] = answered
+    (folder / "opened.json").write_text(json.dumps(opened))
+    content = msg.content.array_records
+    weights_file = folder / "weights.pt"
+    if "weights" in content:
+        weights = dict(record_state(content["weights"])) if len(content["weights"]) else {}
+        torch.save(weights, weights_file)
+    else:
+        weights = torch.load(weights_file, weights_only=True)
+    centre = dict(record_state(content["centre"])) if "centre" in content else None
+    layout = UpdateLayout.from_dict(json.loads(str(rec["layout"])))
+    reference = record_state(content["reference"])
+    read = first_order_parts(_reader_of(stored))
+    server.read_round(read, reference, layout, weights, centre)
+    server.check_fits(int(rec["frac_bits"]))
+    server.shares.close_round()
+    torch.save(server.state(), _sums(folder, round_id))
+    reply = RecordDict(
+        {
+            "fedattr": config({"reads": len(answered)}),
+            "total": arrays({"total": np.asarray(total)}),
+        }
+    )
+    return Message(reply, reply_to=msg)
+
+
+def open_owners(msg: Message, context: Context) -> Message:
+    """The end, for every owner: phase 1, this server's Beaver opening (sealed to the other
+    server) and its share of every client's random-key values with their L1 bound (sealed to
+    the owner); phase 2, with the other server's opening, its share of every inner product
+    (sealed to the owner). Stateless: each phase recomputes the opening from its inputs."""
+    stored, me = _stored(context)
+    rec = msg.content.config_records["fedattr"]
+    server, folder = _server(stored)
+    _load_sums(server, folder, int(rec["last"]))
+    label, index = server.label, SERVERS.index(server.label)
+    peer = SERVERS[1 - index]
+    clients = [int(c) for c in rec["clients"]]
+    owners = json.loads(str(rec["owners"]))
+    frac, phase = int(rec["frac_bits"]), int(rec["phase"])
+    triples = unarrays(msg.content.array_records["triples"])
+    fields: dict[str, Any] = {}
+    law = server.laws[owners[0]["part"]]
+    rows = max(o["cells"] for o in owners) // law.cols
+    if phase == 1:
+        keys = random_keys(int(rec["keys"]), int(rec["seed"]), law, rows)
+        blocks = [torch.stack([server.W[c][o["part"]] for c in clients]) for o in owners]
+        values = keys.values_many(blocks)
+    for j, owner in enumerate(owners):
+        part = owner["part"]
+        y = me.open_arrays(bytes(rec[f"env.key.{j}"]), key_context(j, label))["key"]
+        triple = TripleShare(
+            torch.from_numpy(triples[f"A.{j}"]),
+            torch.from_numpy(triples[f"b.{j}"]),
+            torch.from_numpy(triples[f"c.{j}"]),
+        )
+        X = server.ring_shares(part, clients, frac)
+        party = InnerProductParty(index, X, torch.from_numpy(y), triple)
+        mine = party.opening()
+        owner_key = bytes(rec[f"pk.owner.{j}"])
+        if phase == 1:
+            fields[f"env.open.{j}"] = seal_arrays(
+                bytes(rec["pk.peer"]),
+                {"D": mine[0].numpy(), "e": mine[1].numpy()},
+                opening_context(j, label, peer),
+            )
+            fields[f"env.random.{j}"] = seal_arrays(
+                owner_key,
+                {"values": values[j].numpy(), "l1": server.l1(part, clients)},
+                result_context(j, label, "random"),
+            )
+        else:
+            theirs = me.open_arrays(bytes(rec[f"env.peer.{j}"]), opening_context(j, peer, label))
+            share = party.result(
+                mine, (torch.from_numpy(theirs["D"]), torch.from_numpy(theirs["e"]))
+            )
+            fields[f"env.result.{j}"] = seal_arrays(
+                owner_key, {"z": share.numpy()}, result_context(j, label, "inner")
+            )
+    return Message(RecordDict({"fedattr": config(fields)}), reply_to=msg)
+
+
+def key_context(owner: int, server: str) -> str:
+    """The envelope context of owner ``owner``'s key share to ``server``."""
+    return f"sealed/key/owner={owner}/server={server}"
+
+
+def opening_context(owner: int, sender: str, recipient: str) -> str:
+    """The envelope context of a server's Beaver opening to the other."""
+    return f"sealed/beaver/owner={owner}/from={sender}/to={recipient}"
+
+
+def result_context(owner: int, server: str, what: str) -> str:
+    """The envelope context of a server's results (``inner`` or ``random``) to an owner."""
+    return f"sealed/result/owner={owner}/server={server}/{what}"
+
+
+# -- the owners ------------------------------------------------------------------------------
+
+
+def _owner_key(context: Context) -> tuple[str, torch.Tensor]:
+    green = unarrays(context.state.array_records[_KEY])["green"]
+    return str(context.state.config_records[_PARTY]["part"]), torch.from_numpy(green).bool()
+
+
+def share_key(msg: Message, context: Context) -> Message:
+    """The owner's key as two ring shares, one sealed to each server."""
+    _stored(context)
+    rec = msg.content.config_records["fedattr"]
+    index = int(rec["index"])
+    part, G = _owner_key(context)
+    shares = ring_split(G.reshape(-1).long())
+    fields: dict[str, Any] = {"part": part, "cells": int(G.numel()), "key_cells": int(G.sum())}
+    for label, share in zip(SERVERS, shares, strict=True):
+        fields[f"env.{label}"] = seal_arrays(
+            bytes(rec[f"pk.{label}"]), {"key": share.numpy()}, key_context(index, label)
+        )
+    return Message(RecordDict({"fedattr": config(fields)}), reply_to=msg)
+
+
+def verdict(msg: Message, context: Context) -> Message:
+    """The owner adds the servers' shares of its values and publishes each client's rank p
+    (and its standardised value), nothing else."""
+    stored, me = _stored(context)
+    rec = msg.content.config_records["fedattr"]
+    index, name = int(rec["index"]), str(stored["name"])
+    _, G = _owner_key(context)
+    inner = [
+        me.open_arrays(bytes(rec[f"env.result.{s}"]), result_context(index, s, "inner"))
+        for s in SERVERS
+    ]
+    random = [
+        me.open_arrays(bytes(rec[f"env.random.{s}"]), result_context(index, s, "random"))
+        for s in SERVERS
+    ]
+    clients = [int(c) for c in rec["clients"]]
+    openings = OwnerOpenings(clients, int(rec["keys"]))
+    openings.add_owner(
+        name,
+        torch.from_numpy(inner[0]["z"]) + torch.from_numpy(inner[1]["z"]),
+        torch.from_numpy(random[0]["values"] + random[1]["values"]),
+        int(G.sum()),
+        int(rec["frac_bits"]),
+        random[0]["l1"] + random[1]["l1"],
+        int(G.numel()),
+    )
+    p, Z = openings.statistics(name)
+    out = {"owner": name, "p": [float(v) for v in p], "Z": [float(v) for v in Z]}
+    return Message(RecordDict({"fedattr": config(out)}), reply_to=msg)

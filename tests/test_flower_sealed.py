@@ -1,0 +1,212 @@
+"""The sealed mode on Flower, every party a SuperNode (in this process, no network): the
+clients, two share servers and one node per owner; the ServerApp only relays sealed
+envelopes, deals triples and reads the aggregate. The verdict is the in-process run's; a
+server refuses to open one client's share, or a second set of a round's shares."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.flower
+
+flwr = pytest.importorskip(
+    "flwr", reason="the Flower extra is not installed (pip install '.[flower]')"
+)
+
+from flwr.app import Context, Message, RecordDict  # noqa: E402
+
+from conftest import small_overrides  # noqa: E402
+from fedattr.config import load  # noqa: E402
+from fedattr.errors import UserError  # noqa: E402
+from fedattr.flower import sealed_nodes  # noqa: E402
+from fedattr.flower.client_app import app as client_app  # noqa: E402
+from fedattr.flower.launch import sealed_nodes as launch_nodes  # noqa: E402
+from fedattr.flower.records import config  # noqa: E402
+from fedattr.flower.server_app import check_settings, serve  # noqa: E402
+from fedattr.pipeline.config import RunConfig  # noqa: E402
+from fedattr.pipeline.run import run_experiment  # noqa: E402
+from fedattr.secagg.envelope import Recipient, seal, seal_arrays  # noqa: E402
+from fedattr.secagg.errors import SecAggError  # noqa: E402
+from test_flower_app import LocalGrid, _claimed, _task_identity  # noqa: E402,F401
+
+
+class PartiesGrid(LocalGrid):
+    """The clients' SuperNodes and the sealed mode's other parties (node ids 200 on), each
+    with its own node configuration, as ``fedattr flower local`` starts them."""
+
+    def __init__(self, clients, parties):
+        super().__init__(clients)
+        for i, node_config in enumerate(parties):
+            self.contexts[200 + i] = Context(1, 200 + i, dict(node_config), RecordDict(), {})
+        self.replies: list[tuple[str, Message]] = []
+        """(message type, reply) of every message answered."""
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        for m, i in zip(messages, ids, strict=True):
+            if i in self.inbox:
+                self.replies.append((m.metadata.message_type, self.inbox[i]))
+        return ids
+
+
+def _sealed_cfg(tiny_cache, *extra):
+    return load(
+        RunConfig,
+        None,
+        small_overrides(
+            tiny_cache,
+            "attribution.protocol.mode=sealed",
+            "attribution.sealed.random_keys=31",
+            "watermark.kgw.probes=documents",
+            "variants=[]",
+            *extra,
+        ),
+    )
+
+
+def test_a_sealed_run_with_every_party_a_node_names_what_the_in_process_run_names(
+    tiny_cache, tmp_path
+):
+    # Flower's clients train one after another: so does the in-process reference.
+    cfg = _sealed_cfg(tiny_cache, "fl.batched=false")
+    check_settings(cfg, "run")  # allowed on Flower now
+    folder = _claimed(tmp_path, cfg)
+    parties = launch_nodes(cfg, tmp_path / "nodes")
+    assert [p["role"] for p in parties] == ["share-server", "share-server", "owner", "owner"]
+    grid = PartiesGrid(range(cfg.fl.K), parties)
+    remote = serve(grid, {"run-folder": str(folder.path), "timeout": 120}, say=lambda _m: None)
+    local = run_experiment(cfg)
+    # Fresh masks each run: the same verdicts, the same owners' values up to the shares'
+    # float32 rounding (~5e-4 in Z here), so the same rank p but where a random key reads
+    # within that of the owner's.
+    assert [c.flagged for c in remote.report.clients] == [c.flagged for c in local.report.clients]
+    for a, b in zip(remote.report.clients, local.report.clients, strict=True):
+        assert abs(a.p - b.p) <= 2 * 2 / 32, (a.id, a.p, b.p)
+    for owner, rep in remote.report.components.items():
+        ours = [c.Z for c in rep.clients]
+        theirs = [c.Z for c in local.report.components[owner].clients]
+        np.testing.assert_allclose(ours, theirs, atol=5e-3)
+    out = remote.to_dict()
+    assert out["mode"] == "sealed" and out["sealed"]["share_reads"] == 2 * 2 * cfg.fl.K
+    assert out["sealed"]["sealed_envelope_bytes"] > 0
+    assert out["runtime"]["name"] == "flower"
+    # What the coordinator saw: the clients' train replies carry no update, only envelopes
+    # sealed to the servers; every server and owner message is envelopes and public values.
+    trained = [r for kind, r in grid.replies if kind == "train"]
+    assert len(trained) == 2 * cfg.fl.K and all(not r.content.array_records for r in trained)
+    for r in trained:
+        fields = r.content.config_records["fedattr"]
+        assert {"sealed.A", "sealed.B"} <= set(fields)
+        assert not any(isinstance(v, list) and len(v) > 8 for v in fields.values())
+    views = json.loads((folder.path / "parties.json").read_text())
+    assert set(views["end"]) >= {"server A", "server B", "dealer"}
+    # Each server kept its running sums on its own disk, one file a round read.
+    for s in "AB":
+        files = sorted(p.name for p in (tmp_path / "nodes" / f"server-{s}").iterdir())
+        assert files == ["opened.json", "sums-round1.pt", "sums-round2.pt", "weights.pt"]
+
+
+def test_a_share_server_refuses_one_clients_share_and_a_second_set_of_a_round(tiny_cache, tmp_path):
+    cfg = _sealed_cfg(tiny_cache)
+    from fedattr.flower.records import config_json
+
+    node = {"role": "share-server", "server": "A", "state-dir": str(tmp_path / "A")}
+    ctx = Context(1, 7, node, RecordDict(), {})
+    register = Message(
+        RecordDict({"fedattr": config({"command": "run", "config": config_json(cfg)})}),
+        dst_node_id=7,
+        message_type="query.register",
+    )
+    reply = client_app(register, ctx)
+    key = bytes(reply.content.config_records["fedattr"]["public_key"])
+
+    def read(answered):
+        fields = {
+            "round": 1,
+            "previous": -1,
+            "answered": answered,
+            "layout": json.dumps({"names": ["x"], "shapes": [[3]], "dtypes": ["float32"]}),
+            "frac_bits": 32,
+        }
+        for c in answered:
+            share = np.full(3, float(c))
+            fields[f"env.{c}"] = seal_arrays(
+                key, {"share": share}, sealed_nodes.share_context(1, c, "A")
+            )
+        msg = Message(
+            RecordDict({"fedattr": config(fields)}), dst_node_id=7, message_type="query.x"
+        )
+        return sealed_nodes.read_round(msg, ctx)
+
+    with pytest.raises(Exception, match=r"refused: opening 1 client\(s\) \[2\] is below"):
+        read([2])
+    # A first set opens (recorded before its reading, which then lacks this message's public
+    # inputs: the taper, the reference).
+    with pytest.raises(FileNotFoundError, match=r"weights\.pt"):
+        read([0, 1, 2])
+    assert json.loads((tmp_path / "A" / "opened.json").read_text()) == {"1": [0, 1, 2]}
+    with pytest.raises(Exception, match=r"opened over \[0, 1, 2\]; a second set \[0, 1\]"):
+        read([0, 1])
+
+
+def test_an_envelope_opens_for_its_recipient_under_its_context_only():
+    alice, eve = Recipient(), Recipient()
+    box = seal(alice.public_key, b"share", "round=1/client=2/server=A")
+    assert alice.open(box, "round=1/client=2/server=A") == b"share"
+    for who, context in [(eve, "round=1/client=2/server=A"), (alice, "round=2/client=2/server=A")]:
+        with pytest.raises(SecAggError, match="does not open"):
+            who.open(box, context)
+    altered = box[:-1] + bytes([box[-1] ^ 1])
+    with pytest.raises(SecAggError, match="does not open"):
+        alice.open(altered, "round=1/client=2/server=A")
+    again = Recipient(alice.private_bytes())
+    arrays = {"x": np.arange(4.0), "k": np.arange(3, dtype=np.int64)}
+    opened = again.open_arrays(seal_arrays(alice.public_key, arrays, "c"), "c")
+    assert all(np.array_equal(opened[k], v) for k, v in arrays.items())
+
+
+def test_flower_refuses_a_sealed_variant_beside_the_main_attribution(tiny_cache):
+    cfg = load(
+        RunConfig,
+        None,
+        small_overrides(
+            tiny_cache, "attribution.protocol.mode=sealed", 'variants=[{"name": "more"}]'
+        ),
+    )
+    with pytest.raises(UserError, match="variants: on Flower the sealed mode is the main"):
+        check_settings(cfg, "run")
+
+
+def test_an_interrupted_sealed_flower_run_resumes_from_the_servers_own_sums(tiny_cache, tmp_path):
+    cfg = _sealed_cfg(tiny_cache)
+    whole_folder = _claimed(tmp_path / "a", cfg)
+    whole = serve(
+        PartiesGrid(range(cfg.fl.K), launch_nodes(cfg, tmp_path / "a-nodes")),
+        {"run-folder": str(whole_folder.path)},
+        say=lambda _m: None,
+    )
+
+    class Killed(PartiesGrid):
+        def push_messages(self, messages):
+            if any(
+                m.metadata.message_type == "train" and m.metadata.group_id == "2" for m in messages
+            ):
+                raise KeyboardInterrupt  # the ServerApp is killed during round 2
+            return super().push_messages(messages)
+
+    nodes = launch_nodes(cfg, tmp_path / "b-nodes")
+    folder = _claimed(tmp_path / "b", cfg)
+    with pytest.raises(KeyboardInterrupt):
+        serve(Killed(range(cfg.fl.K), nodes), {"run-folder": str(folder.path)}, say=lambda _m: None)
+    # A new session: every node registers afresh (new envelope keys); the servers' disks keep
+    # their sums after round 1.
+    said = []
+    again = serve(
+        PartiesGrid(range(cfg.fl.K), nodes), {"run-folder": str(folder.path)}, said.append
+    )
+    assert "resuming after round 1 of 2" in said
+    assert [c.flagged for c in again.report.clients] == [c.flagged for c in whole.report.clients]
+    for a, b in zip(again.report.clients, whole.report.clients, strict=True):
+        assert abs(a.p - b.p) <= 2 * 2 / 32, (a.id, a.p, b.p)
+    assert again.to_dict()["sealed"]["share_reads"] == 2 * 2 * cfg.fl.K
