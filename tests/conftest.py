@@ -114,6 +114,18 @@ def import_markllm(target, module: str, *names: str) -> list:
         sys.path.remove(str(target))
 
 
+def sealed_overrides(tiny_cache, *extra):
+    """A micro run in the sealed mode, read on the owners' documents, 31 random keys."""
+    return small_overrides(
+        tiny_cache,
+        "attribution.protocol.mode=sealed",
+        "attribution.sealed.random_keys=31",
+        "watermark.kgw.probes=documents",
+        "variants=[]",
+        *extra,
+    )
+
+
 def small_overrides(tiny_cache, *extra):
     """`--set` overrides for a micro run (K=4, T=2) on the session's micro tiny model."""
     tiny = [f"model.tiny.{k}={v}" for k, v in MICRO_TINY.items()]

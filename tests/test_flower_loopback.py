@@ -13,6 +13,7 @@ pytest.importorskip("flwr", reason="the Flower extra is not installed (pip insta
 if shutil.which("flower-superlink", path=str(Path(sys.executable).parent)) is None:
     pytest.skip("flower-superlink is not installed next to this Python", allow_module_level=True)
 
+from conftest import sealed_overrides
 from conftest import small_overrides as _small
 from fedattr.config import load, to_dict
 from fedattr.flower.launch import LoopbackFederation, run_loopback
@@ -72,18 +73,24 @@ def test_synthetic_federation_on_flower_processes(tmp_path):
     assert (tmp_path / "run" / "report.md").is_file()
 
 
-def test_tiny_llm_federation_on_flower_processes(tiny_cache, tmp_path):
+def _in_process(cfg):
+    """``cfg`` run in this process with one thread, as every process of the federation
+    (``FEDATTR_THREADS=1``)."""
     import torch
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run_experiment(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_tiny_llm_federation_on_flower_processes(tiny_cache, tmp_path):
     # Flower's clients train one after another: so does the in-process reference.
     cfg = load(RunConfig, None, _small(tiny_cache, "fl.rounds=1", "fl.batched=false"))
     data = _run(tmp_path, "run", cfg)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as every process of the federation (FEDATTR_THREADS=1)
-    try:
-        local = run_experiment(cfg)
-    finally:
-        torch.set_num_threads(threads)
+    local = _in_process(cfg)
     assert _z(data["clients"]) == _z([c.to_dict() for c in local.report.clients])
     assert data["runtime"]["nodes"].keys() == {"0", "1", "2", "3"}
 
@@ -128,29 +135,11 @@ def test_flower_local_refuses_what_it_cannot_run_before_starting_a_process(
 
 def test_a_sealed_run_on_flower_processes_every_party_its_own(tiny_cache, tmp_path):
     import numpy as np
-    import torch
 
     # Four clients, two share servers and two owners: eight SuperNode processes.
-    cfg = load(
-        RunConfig,
-        None,
-        _small(
-            tiny_cache,
-            "fl.rounds=1",
-            "fl.batched=false",
-            "attribution.protocol.mode=sealed",
-            "attribution.sealed.random_keys=31",
-            "watermark.kgw.probes=documents",
-            "variants=[]",
-        ),
-    )
+    cfg = load(RunConfig, None, sealed_overrides(tiny_cache, "fl.rounds=1", "fl.batched=false"))
     data = _run(tmp_path, "run", cfg)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as every process of the federation (FEDATTR_THREADS=1)
-    try:
-        local = run_experiment(cfg)
-    finally:
-        torch.set_num_threads(threads)
+    local = _in_process(cfg)
     # Fresh masks each run: the owners' values agree up to the shares' float32 rounding.
     assert [c["flagged"] for c in data["clients"]] == [c.flagged for c in local.report.clients]
     np.testing.assert_allclose(

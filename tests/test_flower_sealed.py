@@ -16,7 +16,7 @@ flwr = pytest.importorskip(
 
 from flwr.app import Context, Message, RecordDict  # noqa: E402
 
-from conftest import small_overrides  # noqa: E402
+from conftest import sealed_overrides, small_overrides  # noqa: E402
 from fedattr.config import load  # noqa: E402
 from fedattr.errors import UserError  # noqa: E402
 from fedattr.flower import sealed_nodes  # noqa: E402
@@ -51,18 +51,7 @@ class PartiesGrid(LocalGrid):
 
 
 def _sealed_cfg(tiny_cache, *extra):
-    return load(
-        RunConfig,
-        None,
-        small_overrides(
-            tiny_cache,
-            "attribution.protocol.mode=sealed",
-            "attribution.sealed.random_keys=31",
-            "watermark.kgw.probes=documents",
-            "variants=[]",
-            *extra,
-        ),
-    )
+    return load(RunConfig, None, sealed_overrides(tiny_cache, *extra))
 
 
 def test_a_sealed_run_with_every_party_a_node_names_what_the_in_process_run_names(

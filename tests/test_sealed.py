@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MICRO_TINY, small_overrides
+from conftest import MICRO_TINY, sealed_overrides, small_overrides
 from fedattr.attribution.config import AttributionConfig, SealedConfig
 from fedattr.attribution.design import DesignError
 from fedattr.attribution.sealed import OwnerOpenings, SealedObserver
@@ -351,16 +351,7 @@ def test_a_sealed_run_opens_only_the_aggregate_and_each_owners_values(tiny_cache
     from fedattr.pipeline.run import run_experiment
     from fedattr.reporting.run_folder import RunFolder
 
-    cfg = load(
-        RunConfig,
-        None,
-        small_overrides(
-            tiny_cache,
-            "attribution.protocol.mode=sealed",
-            "attribution.sealed.random_keys=31",
-            "watermark.kgw.probes=documents",
-        ),
-    )
+    cfg = load(RunConfig, None, sealed_overrides(tiny_cache))
     folder = RunFolder(tmp_path / "run")
     result = run_experiment(cfg, progress=lambda _m: None, folder=folder)
     folder.path.mkdir(parents=True, exist_ok=True)
