@@ -90,6 +90,24 @@ def test_a_sealed_run_with_every_party_a_node_names_what_the_in_process_run_name
         assert not any(isinstance(v, list) and len(v) > 8 for v in fields.values())
     views = json.loads((folder.path / "parties.json").read_text())
     assert set(views["end"]) >= {"server A", "server B", "dealer"}
+    # The owners' openings happen once: asked again over other clients, or to read a further
+    # round, a server refuses.
+    server_a = grid.contexts[200]
+    ask = {"last": 2, "clients": [0, 1, 2], "owners": "[]", "frac_bits": 32, "phase": 1}
+    again = Message(
+        RecordDict({"fedattr": config({**ask, "keys": 31, "seed": cfg.attribution.seed})}),
+        dst_node_id=200,
+        message_type="query.sealed_open",
+    )
+    with pytest.raises(Exception, match="opened to the owners once already"):
+        client_app(again, server_a)
+    more = Message(
+        RecordDict({"fedattr": config({"round": 3, "previous": 2, "answered": [0, 1, 2, 3]})}),
+        dst_node_id=200,
+        message_type="query.sealed_read",
+    )
+    with pytest.raises(Exception, match="opened to the owners after round 2"):
+        client_app(more, server_a)
     # Each server kept its running sums on its own disk, one file a round read.
     for s in "AB":
         files = sorted(p.name for p in (tmp_path / "nodes" / f"server-{s}").iterdir())

@@ -174,6 +174,11 @@ def read_round(msg: Message, context: Context) -> Message:
     round_id, previous = int(rec["round"]), int(rec["previous"])
     answered = sorted(int(c) for c in rec["answered"])
     opened = _opened(folder)
+    if "end" in opened:
+        raise QueryRefused(
+            f"server {server.label} refused: its sums were opened to the owners after round "
+            f"{opened['end']['last']}; it reads no further round"
+        )
     before = opened.get(str(round_id))
     if before is not None and before != answered:
         raise QueryRefused(
@@ -221,12 +226,30 @@ def open_owners(msg: Message, context: Context) -> Message:
     stored, me = _stored(context)
     rec = msg.content.config_records["fedattr"]
     server, folder = _server(stored)
-    _load_sums(server, folder, int(rec["last"]))
     label, index = server.label, SERVERS.index(server.label)
     peer = SERVERS[1 - index]
     clients = [int(c) for c in rec["clients"]]
     owners = json.loads(str(rec["owners"]))
     frac, phase = int(rec["frac_bits"]), int(rec["phase"])
+    # The owners' openings happen once a run: a second set (other clients, other sums, other
+    # keys) would open more functionals of the same sums.
+    end = {
+        "last": int(rec["last"]),
+        "clients": clients,
+        "owners": owners,
+        "keys": int(rec["keys"]),
+        "seed": int(rec["seed"]),
+    }
+    opened = _opened(folder)
+    if opened.get("end", end) != end:
+        raise QueryRefused(
+            f"server {label} refused: its sums were opened to the owners once already "
+            f"({opened['end']}); a second opening would reveal more of them"
+        )
+    if "end" not in opened:
+        opened["end"] = end
+        (folder / "opened.json").write_text(json.dumps(opened))
+    _load_sums(server, folder, end["last"])
     triples = unarrays(msg.content.array_records["triples"])
     fields: dict[str, Any] = {}
     law = server.laws[owners[0]["part"]]
