@@ -93,7 +93,9 @@ def test_a_sealed_run_with_every_party_a_node_names_what_the_in_process_run_name
     # The owners' openings happen once: asked again over other clients, or to read a further
     # round, a server refuses.
     server_a = grid.contexts[200]
-    ask = {"last": 2, "clients": [0, 1, 2], "owners": "[]", "frac_bits": 32, "phase": 1}
+    parts = json.loads(str(server_a.state.config_records["fedattr.sealed"]["laws"]))
+    owners = json.dumps([{"part": p, "cells": 0} for p in sorted(parts)])
+    ask = {"last": 2, "clients": [0, 1, 2], "owners": owners, "frac_bits": 32, "phase": 1}
     again = Message(
         RecordDict({"fedattr": config({**ask, "keys": 31, "seed": cfg.attribution.seed})}),
         dst_node_id=200,
@@ -101,6 +103,14 @@ def test_a_sealed_run_with_every_party_a_node_names_what_the_in_process_run_name
     )
     with pytest.raises(Exception, match="opened to the owners once already"):
         client_app(again, server_a)
+    # Nor are the openings' public parameters the coordinator's to choose.
+    other_seed = Message(
+        RecordDict({"fedattr": config({**ask, "keys": 31, "seed": cfg.attribution.seed + 1})}),
+        dst_node_id=200,
+        message_type="query.sealed_open",
+    )
+    with pytest.raises(Exception, match="the run's are"):
+        client_app(other_seed, server_a)
     more = Message(
         RecordDict({"fedattr": config({"round": 3, "previous": 2, "answered": [0, 1, 2, 3]})}),
         dst_node_id=200,
@@ -150,9 +160,9 @@ def test_a_share_server_refuses_one_clients_share_and_a_second_set_of_a_round(ti
         read([2])
     # A first set opens (recorded before its reading, which then lacks this message's public
     # inputs: the taper, the reference).
-    with pytest.raises(FileNotFoundError, match=r"weights\.pt"):
+    with pytest.raises(UserError, match=r"holds no taper \(weights\.pt\)"):
         read([0, 1, 2])
-    assert json.loads((tmp_path / "A" / "opened.json").read_text()) == {"1": [0, 1, 2]}
+    assert json.loads((tmp_path / "A" / "opened.json").read_text())["1"] == [0, 1, 2]
     with pytest.raises(Exception, match=r"opened over \[0, 1, 2\]; a second set \[0, 1\]"):
         read([0, 1])
 

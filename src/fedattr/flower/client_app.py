@@ -22,11 +22,14 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from ..attribution.sealed.observer import mask_sd
 from ..data.records import Record
 from ..errors import UserError
 from ..fl.node import LLMClientNode, SyntheticClientNode
+from ..fl.registry import make_strategy
 from ..runtime import set_threads
 from ..secagg.envelope import seal_arrays
+from ..secagg.errors import QueryRefused
 from ..secagg.party import MaskingParty
 from ..secagg.sealed import split_update
 from ..secagg.wire import QueryBatch
@@ -126,10 +129,15 @@ def train(msg: Message, context: Context) -> Message:
         "layout": json.dumps(layout.to_dict()),
         **stats,
     }
-    if "sealed.mask_sd" in rec:
+    if "sealed.pk.A" in rec:
         # The sealed mode: what it submits, split into two reading shares, one sealed to each
-        # share server (the coordinator relays them unread).
-        shares = split_update(layout.flatten(update), float(rec["sealed.mask_sd"]))
+        # share server (the coordinator relays them unread). The masks' scale is the client's
+        # own reading of the run's settings, not the coordinator's to choose.
+        if bytes(rec["sealed.pk.A"]) == bytes(rec["sealed.pk.B"]):
+            raise QueryRefused("sealed: share servers A and B were given one key; refused")
+        strategy, _ = make_strategy(cfg.fl, cfg.lora)
+        sd = mask_sd(cfg.attribution.sealed.mask_scale, strategy.scoring_params(state))
+        shares = split_update(layout.flatten(update), sd)
         for server, share in zip(sealed_nodes.SERVERS, shares, strict=True):
             reply[f"sealed.{server}"] = seal_arrays(
                 bytes(rec[f"sealed.pk.{server}"]),

@@ -140,7 +140,11 @@ class FlowerLink:
                 who = (role, str(rec["name"]))
                 if who in self.parties:
                     raise UserError(f"role: two SuperNodes play {role} {who[1]}; one each")
-                self.parties[who] = {"node": node, "public_key": bytes(rec["public_key"])}
+                self.parties[who] = {
+                    "node": node,
+                    "public_key": bytes(rec["public_key"]),
+                    "documents": str(rec.get("documents", "")),
+                }
                 continue
             client = int(rec["client"])
             if client in self.node_of:

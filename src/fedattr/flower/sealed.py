@@ -32,8 +32,8 @@ class FlowerParties:
     """The sealed mode's parties on SuperNodes (see :class:`~fedattr.attribution.sealed.
     parties.Parties`): two share servers and one node per owner, registered with the run."""
 
-    def __init__(self, link: FlowerLink, mask_sd_of: Callable[[Any], float]) -> None:
-        self.link, self.mask_sd_of = link, mask_sd_of
+    def __init__(self, link: FlowerLink) -> None:
+        self.link = link
         servers = {n: info for (role, n), info in link.parties.items() if role == "share-server"}
         if sorted(servers) != list(SERVERS):
             raise UserError(
@@ -45,6 +45,12 @@ class FlowerParties:
         self.owner_nodes = {
             n: info for (role, n), info in sorted(link.parties.items()) if role == "owner"
         }
+        written = {f"{r} {n}": i["documents"] for (r, n), i in link.parties.items()}
+        if len(set(written.values())) > 1:
+            raise UserError(
+                "sealed: the parties wrote different owners' documents from one configuration "
+                f"(digests {written}); their readings would not add up"
+            )
         self.envelopes: dict[int, dict[str, bytes]] = {}
         """This round's sealed shares, by client (filled from the ``train`` replies)."""
         self.seen: set[int] = set()
@@ -56,11 +62,9 @@ class FlowerParties:
     # -- what the clients need -----------------------------------------------------------
 
     def train_fields(self, state: Any) -> dict[str, Any]:
-        """Added to every ``train`` message: the servers' keys and the masks' scale."""
-        return {
-            "sealed.mask_sd": float(self.mask_sd_of(state)),
-            **{f"sealed.pk.{s}": bytes(self.servers[s]["public_key"]) for s in SERVERS},
-        }
+        """Added to every ``train`` message: the servers' keys (each client computes the masks'
+        scale itself, from the run's settings and the state it trains from)."""
+        return {f"sealed.pk.{s}": bytes(self.servers[s]["public_key"]) for s in SERVERS}
 
     def receive(self, client: int, reply: Mapping[str, Any]) -> None:
         """Keep a client's two sealed shares from its ``train`` reply."""
@@ -85,11 +89,20 @@ class FlowerParties:
         return {}  # the truth is on the clients' nodes: measured in process only
 
     def _ask(self, kind: str, contents: Mapping[int, RecordDict], who: str) -> dict[int, Message]:
+        """Every node's reply; a refusal or bad input there is one line (UserError), anything
+        else a bug there (RuntimeError with the node's reason: its traceback is in its log)."""
+        for node in contents:
+            self.link.errors.pop(node, None)  # an earlier message's
         replies = self.link.call(kind, contents)
         for node in contents:
-            if node not in replies:
-                reason = self.link.errors.get(node, "no answer within the timeout")
-                raise UserError(f"sealed: {who} (node {node}) failed {kind}: {reason}")
+            if node in replies:
+                continue
+            reason = self.link.errors.get(node)
+            if reason is None:
+                raise UserError(f"sealed: {who} (node {node}) did not answer {kind} in time")
+            if any(e in reason for e in ("UserError", "QueryRefused", "SecAggError")):
+                raise UserError(f"sealed: {who} (node {node}) refused {kind}: {reason}")
+            raise RuntimeError(f"sealed: {who} (node {node}) failed {kind}: {reason}")
         return replies
 
     def round(self, work: RoundWork) -> np.ndarray:

@@ -14,7 +14,8 @@ coordinator only relays; it deals the Beaver triples (it sees no data) and reads
   checkpointed). At the end it enters the owners' inner products and reads its shares under the
   public random keys, both sealed to the owner.
 - An **owner** holds its key (green lists): it sends the key's ring shares to the servers and,
-  from what they send back, computes its own rank p per client, and publishes only that.
+  from what they send back, computes its own rank p per client, and publishes only that (with
+  each client's value standardised by the random keys', for display).
 
 In this simulation every party derives the owners' documents from the configuration (the
 teacher writes them once per party, kept in the node's state); the servers' code reads no key.
@@ -22,7 +23,9 @@ teacher writes them once per party, kept in the node's state); the servers' code
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +33,14 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from ..attribution.sealed.owner import OwnerOpenings
-from ..attribution.sealed.parties import owner_keys, random_keys
+from ..attribution.sealed.parties import (
+    check_laws,
+    expected_keys,
+    owner_keys,
+    owner_statistics,
+    random_keys,
+    server_random_values,
+)
 from ..attribution.sealed.servers import ReadingServer, first_order_parts
 from ..errors import UserError
 from ..secagg.beaver import InnerProductParty, TripleShare
@@ -124,7 +133,7 @@ def register(context: Context, role: str, text: str) -> dict[str, Any]:
         name = names[index]
         # The owner keeps its key (its green mask), nothing else of the documents' reading.
         part, G = owner_keys(reader)[name]
-        stored["part"] = part
+        stored |= {"part": part, "owners": len(names)}
         context.state.array_records[_KEY] = arrays({"green": G.numpy().astype(np.uint8)})
     recipient = Recipient()
     laws = {p: [law.m, law.cols] for p, law in reader.key_laws().items()}
@@ -136,7 +145,10 @@ def register(context: Context, role: str, text: str) -> dict[str, Any]:
         "min_members": cfg.secagg.min_members,
     }
     context.state.config_records[_PARTY] = config(stored)
-    return {"role": role, "name": name, "public_key": recipient.public_key}
+    # Every party writes the owners' documents itself: parties that disagree would read
+    # different changes, so each reports what it wrote (a digest) for the coordinator to compare.
+    digest = hashlib.sha256(json.dumps(documents, sort_keys=True).encode()).hexdigest()
+    return {"role": role, "name": name, "public_key": recipient.public_key, "documents": digest}
 
 
 # -- the share servers -----------------------------------------------------------------------
@@ -161,9 +173,25 @@ def _load_sums(server: ReadingServer, folder: Path, round_id: int) -> None:
     server.load(torch.load(path, weights_only=True))
 
 
-def _opened(folder: Path) -> dict[str, list[int]]:
+def _opened(folder: Path, stored: ConfigRecord) -> dict[str, Any]:
+    """What this server opened so far (``opened.json`` on its disk), refused where the folder
+    holds another run's state."""
     path = folder / "opened.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    run = hashlib.sha256(str(stored["config"]).encode()).hexdigest()[:16]
+    opened = json.loads(path.read_text()) if path.is_file() else {"run": run}
+    if opened.get("run") != run:
+        raise UserError(
+            f"state-dir: {str(folder)!r} holds another run's sums (run {opened.get('run')}); "
+            "give each run's share server a folder of its own"
+        )
+    return opened
+
+
+def _record(folder: Path, opened: dict[str, Any]) -> None:
+    """Write ``opened.json`` whole or not at all (a crash leaves the previous one)."""
+    temporary = folder / "opened.json.tmp"
+    temporary.write_text(json.dumps(opened))
+    os.replace(temporary, folder / "opened.json")
 
 
 def read_round(msg: Message, context: Context) -> Message:
@@ -173,7 +201,7 @@ def read_round(msg: Message, context: Context) -> Message:
     server, folder = _server(stored)
     round_id, previous = int(rec["round"]), int(rec["previous"])
     answered = sorted(int(c) for c in rec["answered"])
-    opened = _opened(folder)
+    opened = _opened(folder, stored)
     if "end" in opened:
         raise QueryRefused(
             f"server {server.label} refused: its sums were opened to the owners after round "
@@ -193,14 +221,19 @@ def read_round(msg: Message, context: Context) -> Message:
         server.shares.receive(c, share)
     total = server.shares.total(answered)  # refused below min_members clients
     opened[str(round_id)] = answered
-    (folder / "opened.json").write_text(json.dumps(opened))
+    _record(folder, opened)
     content = msg.content.array_records
     weights_file = folder / "weights.pt"
     if "weights" in content:
         weights = dict(record_state(content["weights"])) if len(content["weights"]) else {}
         torch.save(weights, weights_file)
-    else:
+    elif weights_file.is_file():
         weights = torch.load(weights_file, weights_only=True)
+    else:
+        raise UserError(
+            f"state-dir: {str(folder)!r} holds no taper (weights.pt) for a round after "
+            f"round {previous}; the run cannot continue from there"
+        )
     centre = dict(record_state(content["centre"])) if "centre" in content else None
     layout = UpdateLayout.from_dict(json.loads(str(rec["layout"])))
     reference = record_state(content["reference"])
@@ -230,17 +263,26 @@ def open_owners(msg: Message, context: Context) -> Message:
     peer = SERVERS[1 - index]
     clients = [int(c) for c in rec["clients"]]
     owners = json.loads(str(rec["owners"]))
-    frac, phase = int(rec["frac_bits"]), int(rec["phase"])
-    # The owners' openings happen once a run: a second set (other clients, other sums, other
-    # keys) would open more functionals of the same sums.
-    end = {
-        "last": int(rec["last"]),
-        "clients": clients,
-        "owners": owners,
-        "keys": int(rec["keys"]),
-        "seed": int(rec["seed"]),
-    }
-    opened = _opened(folder)
+    phase = int(rec["phase"])
+    # The public parameters of the openings are the run's, not the coordinator's to choose.
+    cfg = config_of("run", str(stored["config"]))
+    frac, seed = cfg.attribution.sealed.frac_bits, cfg.attribution.seed
+    n_keys = expected_keys(cfg, len(server.laws))
+    asked = (int(rec["frac_bits"]), int(rec["seed"]), int(rec["keys"]))
+    if asked != (frac, seed, n_keys):
+        raise QueryRefused(
+            f"server {label} refused: openings at frac_bits, seed, keys = {asked}; the run's "
+            f"are {(frac, seed, n_keys)}"
+        )
+    parts = [str(o["part"]) for o in owners]
+    if sorted(parts) != sorted(server.laws):
+        raise QueryRefused(
+            f"server {label} refused: owners' parts {parts}; the run's {sorted(server.laws)}"
+        )
+    # The owners' openings happen once a run: a second set (other clients, other sums) would
+    # open more functionals of the same sums.
+    end = {"last": int(rec["last"]), "clients": clients, "parts": parts}
+    opened = _opened(folder, stored)
     if opened.get("end", end) != end:
         raise QueryRefused(
             f"server {label} refused: its sums were opened to the owners once already "
@@ -248,18 +290,16 @@ def open_owners(msg: Message, context: Context) -> Message:
         )
     if "end" not in opened:
         opened["end"] = end
-        (folder / "opened.json").write_text(json.dumps(opened))
+        _record(folder, opened)
     _load_sums(server, folder, end["last"])
     triples = unarrays(msg.content.array_records["triples"])
     fields: dict[str, Any] = {}
-    law = server.laws[owners[0]["part"]]
-    rows = max(o["cells"] for o in owners) // law.cols
+    law = check_laws([server.laws[p] for p in parts])
+    rows = max(int(server.W[clients[0]][p].numel()) for p in parts) // law.cols
     if phase == 1:
-        keys = random_keys(int(rec["keys"]), int(rec["seed"]), law, rows)
-        blocks = [torch.stack([server.W[c][o["part"]] for c in clients]) for o in owners]
-        values = keys.values_many(blocks)
-    for j, owner in enumerate(owners):
-        part = owner["part"]
+        keys = random_keys(n_keys, seed, law, rows)
+        (values,) = server_random_values([server], parts, clients, keys)
+    for j, part in enumerate(parts):
         y = me.open_arrays(bytes(rec[f"env.key.{j}"]), key_context(j, label))["key"]
         triple = TripleShare(
             torch.from_numpy(triples[f"A.{j}"]),
@@ -322,7 +362,7 @@ def share_key(msg: Message, context: Context) -> Message:
     index = int(rec["index"])
     part, G = _owner_key(context)
     shares = ring_split(G.reshape(-1).long())
-    fields: dict[str, Any] = {"part": part, "cells": int(G.numel()), "key_cells": int(G.sum())}
+    fields: dict[str, Any] = {"part": part, "cells": int(G.numel())}
     for label, share in zip(SERVERS, shares, strict=True):
         fields[f"env.{label}"] = seal_arrays(
             bytes(rec[f"pk.{label}"]), {"key": share.numpy()}, key_context(index, label)
@@ -346,16 +386,23 @@ def verdict(msg: Message, context: Context) -> Message:
         for s in SERVERS
     ]
     clients = [int(c) for c in rec["clients"]]
-    openings = OwnerOpenings(clients, int(rec["keys"]))
-    openings.add_owner(
+    cfg = config_of("run", str(stored["config"]))
+    frac, n_keys = cfg.attribution.sealed.frac_bits, expected_keys(cfg, int(stored["owners"]))
+    shape = tuple(random[0]["values"].shape)
+    if (int(rec["frac_bits"]), int(rec["keys"]), shape) != (frac, n_keys, (len(clients), n_keys)):
+        raise QueryRefused(
+            f"owner {name} refused: values at frac_bits {rec['frac_bits']}, {shape[-1]} random "
+            f"keys; the run's are {frac} and {n_keys}"
+        )
+    _, p, Z = owner_statistics(
         name,
-        torch.from_numpy(inner[0]["z"]) + torch.from_numpy(inner[1]["z"]),
-        torch.from_numpy(random[0]["values"] + random[1]["values"]),
-        int(G.sum()),
-        int(rec["frac_bits"]),
-        random[0]["l1"] + random[1]["l1"],
-        int(G.numel()),
+        clients,
+        n_keys,
+        [torch.from_numpy(x["z"]) for x in inner],
+        [torch.from_numpy(x["values"]) for x in random],
+        [x["l1"] for x in random],
+        G,
+        frac,
     )
-    p, Z = openings.statistics(name)
     out = {"owner": name, "p": [float(v) for v in p], "Z": [float(v) for v in Z]}
     return Message(RecordDict({"fedattr": config(out)}), reply_to=msg)

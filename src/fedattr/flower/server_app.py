@@ -23,10 +23,8 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from ..attribution.sealed.observer import mask_sd
 from ..config import load
 from ..errors import UserError
-from ..fl.registry import make_strategy
 from ..pipeline.config import require_in_process
 from ..reporting.run_folder import RunFolder
 from ..runtime import set_threads
@@ -140,9 +138,7 @@ def serve(grid: Grid, run_config: Mapping[str, Any], say: Callable[[str], None] 
     server = RemoteMaskingServer(link, sa.min_members, sa.codec(), sa.release_budget or None)
     parties = None
     if sealed:
-        strategy, _ = make_strategy(cfg.fl, cfg.lora)
-        scale = cfg.attribution.sealed.mask_scale
-        parties = FlowerParties(link, lambda st: mask_sd(scale, strategy.scoring_params(st)))
+        parties = FlowerParties(link)
     pool = FlowerPool(link, sizes, send_state=(command == "run"), sealed=parties)
     if command == "run":
         result = run_experiment(cfg, say, folder, pool=pool, sa=server, parties=parties)

@@ -4,9 +4,12 @@ The sealed mode on a distributed runtime routes every party's message through th
 coordinator (Flower's ServerApp): a client's reading share to each share server, one server's
 Beaver opening to the other, every server's result shares to each owner. Each is sealed to the
 recipient's X25519 public key: a fresh ephemeral key pair, ``HKDF-SHA256`` of the Diffie-Hellman
-secret (bound to both public keys and a context naming sender, recipient and purpose) and
+secret (bound to both public keys and a context labelling sender, recipient and purpose) and
 ChaCha20-Poly1305. The relay learns the length; a changed byte, or an envelope replayed under
-another context (another round, another recipient), fails to open.
+another context (another round, another recipient), fails to open. The sender is a label, not
+authenticated (a sealed box: anyone holding the recipient's public key can seal to it), and the
+recipient's key is what the relay handed out: the relay is trusted to hand out the parties'
+keys honestly (honest but curious; see ``docs/explanation/sealed-mode.md``).
 """
 
 from __future__ import annotations

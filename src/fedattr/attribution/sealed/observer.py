@@ -28,7 +28,7 @@ from ..calibrated.weights import taper_weights
 from ..config import AttributionConfig
 from ..stouffer import AttributionReport
 from .owner import OwnerOpenings, sealed_report
-from .parties import LocalParties, Opening, Parties, RoundWork, owner_keys
+from .parties import LocalParties, Opening, Parties, RoundWork, check_laws, owner_keys
 from .servers import first_order_parts, weighed
 
 
@@ -103,11 +103,18 @@ class SealedObserver(Observer):
         self.name, self.primary, self.marked, self.folder = name, primary, set(marked), folder
         self.fedattr = SealedAttribution(config, self._verdicts)
         self.read = first_order_parts(scorer)
+        check_laws(list(self.laws.values()))  # one law: the random keys serve every owner
+        keys_of = owner_keys(scorer)
         if parties is None:
             if tap is None:
                 raise ValueError("SealedObserver: in-process parties read the pool's tap")
-            keys_of = owner_keys(scorer)
             parties = LocalParties(tap, self.read, self.laws, keys_of, min_members)
+        elif parties.owners() != sorted(keys_of):
+            # The level's Bonferroni counts the run's owners: every one needs its node.
+            raise UserError(
+                f"role: the run's owners are {sorted(keys_of)}; owner nodes registered for "
+                f"{parties.owners()}"
+            )
         self.parties: Parties = parties
         self.records: list[dict] = []
         self.timing = {"sa_s": 0.0, "scoring_s": 0.0}
@@ -287,5 +294,6 @@ class SealedObserver(Observer):
 
 def mask_sd(mask_scale: float, reference: Any) -> float:
     """The masks' standard deviation: ``mask_scale`` times the rms of the round's reference
-    adapter (public: every client computes it from the global state it trains from)."""
+    adapter (public: a client on a remote runtime computes it itself from the global state it
+    trains from)."""
     return mask_scale * _rms(reference)

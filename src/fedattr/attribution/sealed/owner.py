@@ -65,6 +65,12 @@ class OwnerOpenings:
         float_bound = (cells + 2) * 2.0**-53 * np.asarray(l1, dtype=np.float64)
         self.tolerance[name] = key_cells * 2.0 ** (-frac_bits) + float_bound
 
+    def merge(self, other: OwnerOpenings) -> None:
+        """Take ``other``'s owners (the same clients and keys)."""
+        self.owner |= other.owner
+        self.random |= other.random
+        self.tolerance |= other.tolerance
+
     def p_values(self, name: str) -> np.ndarray:
         """Each client's rank p under owner ``name``'s key: random keys within the two
         roundings' bound of the owner's value count as reading at least as high (so ``p`` can

@@ -124,6 +124,51 @@ def random_keys(n: int, seed: int, law: RowSubsets, rows: int) -> RandomSubsetKe
     return RandomSubsetKeys(n, seed, rows, law.cols, law.m)
 
 
+def server_random_values(
+    servers: Sequence[ReadingServer], parts: Sequence[str], clients: Sequence[int], keys: Any
+) -> list[list[torch.Tensor]]:
+    """Each server's share of every client's values under the public random keys, per part
+    (``[server][part] -> [clients, keys]``): what a server sends each owner. One pass of the keys
+    for every block (keys are drawn as they are read)."""
+    blocks = [torch.stack([s.W[c][p] for c in clients]) for s in servers for p in parts]
+    values = keys.values_many(blocks)
+    return [values[i * len(parts) : (i + 1) * len(parts)] for i in range(len(servers))]
+
+
+def owner_statistics(
+    name: str,
+    clients: list[int],
+    n_keys: int,
+    inner: Sequence[torch.Tensor],
+    random: Sequence[torch.Tensor],
+    l1: Sequence[np.ndarray],
+    key: torch.Tensor,
+    frac_bits: int,
+) -> tuple[OwnerOpenings, np.ndarray, np.ndarray]:
+    """What owner ``name`` makes of the two servers' shares (``inner``: ring shares of its
+    key's values; ``random``: random-key values; ``l1``: their L1 bounds): its openings and
+    what it publishes, each client's rank p and standardised value."""
+    openings = OwnerOpenings(clients, n_keys)
+    openings.add_owner(
+        name,
+        inner[0] + inner[1],
+        random[0] + random[1],
+        int(key.sum()),
+        frac_bits,
+        np.asarray(l1[0]) + np.asarray(l1[1]),
+        int(key.numel()),
+    )
+    p, Z = openings.statistics(name)
+    return openings, p, Z
+
+
+def expected_keys(config: Any, owners: int) -> int:
+    """The random keys a run's verdict reads (``attribution.sealed``, sized to the per-pair
+    level over ``fl.K`` clients and ``owners``): what a server checks the coordinator asks."""
+    a = config.attribution
+    return a.sealed.keys_for(a.calibrated.alpha / (config.fl.K * max(1, owners)))
+
+
 def owner_keys(scorer: Any) -> dict[str, tuple[str, torch.Tensor]]:
     """Owner -> (the part that reads its documents, its key: the green mask) of a detector."""
     return {o: (part, G) for part in scorer.key_laws() for o, G in scorer.owner_keys(part).items()}
@@ -191,34 +236,34 @@ class LocalParties:
     def open(self, opening: Opening) -> tuple[Verdicts, dict[str, Any]]:
         clients, frac = opening.clients, opening.frac_bits
         t0 = time.perf_counter()
-        openings = OwnerOpenings(clients, opening.keys)
         dealer = Dealer()
         owners = self.owners() if clients else []
-        cells = {o: int(self.servers[0].W[clients[0]][self.keys_of[o][0]].numel()) for o in owners}
+        parts = [self.keys_of[o][0] for o in owners]
+        first = self.servers[0].W[clients[0]] if clients else {}
+        cells = {o: int(first[p].numel()) for o, p in zip(owners, parts, strict=True)}
+        verdicts = Verdicts(clients, opening.keys)
+        self.owner_openings = OwnerOpenings(clients, opening.keys)
         if owners:
-            law = check_laws([self.laws[self.keys_of[o][0]] for o in owners])
+            law = check_laws([self.laws[p] for p in parts])
             # Public random keys, drawn once for every owner's part (its first rows each).
             keys = random_keys(opening.keys, opening.seed, law, max(cells.values()) // law.cols)
-            blocks = [
-                torch.stack([s.W[c][self.keys_of[o][0]] for c in clients])
-                for o in owners
-                for s in self.servers
-            ]
-            values = keys.values_many(blocks)
+            random = server_random_values(self.servers, parts, clients, keys)
             for j, owner in enumerate(owners):
                 part, G = self.keys_of[owner]
-                # Each server sends its share of every client's random-key values to the
-                # owner, with the L1 norm of its share (their float rounding's bound).
-                random = values[2 * j] + values[2 * j + 1]
-                l1 = self.servers[0].l1(part, clients) + self.servers[1].l1(part, clients)
                 ring = [s.ring_shares(part, clients, frac) for s in self.servers]
                 key = ring_split(G.reshape(-1).long())  # the owner shares its key
-                (z0, z1), _ = shared_inner_products((ring[0], ring[1]), key, dealer)
-                openings.add_owner(owner, z0 + z1, random, int(G.sum()), frac, l1, cells[owner])
-        self.owner_openings = openings
-        verdicts = Verdicts(clients, opening.keys)
-        for owner in owners:
-            verdicts.p[owner], verdicts.Z[owner] = openings.statistics(owner)
+                inner, _ = shared_inner_products((ring[0], ring[1]), key, dealer)
+                openings, verdicts.p[owner], verdicts.Z[owner] = owner_statistics(
+                    owner,
+                    clients,
+                    opening.keys,
+                    inner,
+                    [random[0][j], random[1][j]],
+                    [s.l1(part, clients) for s in self.servers],
+                    G,
+                    frac,
+                )
+                self.owner_openings.merge(openings)
         cost = {
             "opening_bytes": opening_bytes(len(clients), cells, opening.keys),
             "cells": cells,

@@ -24,7 +24,6 @@ from ...errors import UserError
 from ...secagg.beaver import encode
 from ...secagg.sealed import ShareServer
 from ...updates import UpdateLayout
-from ...watermarks.nullkeys import RandomSubsetKeys
 from ...watermarks.tail.laws import KeyLaw
 
 Parts = dict[str, torch.Tensor]
@@ -112,11 +111,6 @@ class ReadingServer:
         """``sum |W_i|`` of this server's shares over ``part`` (a bound on the float rounding of
         its random-key values, sent to the owners with them)."""
         return np.array([float(self.W[c][part].abs().sum()) for c in clients])
-
-    def key_values(self, part: str, keys: RandomSubsetKeys, clients: Sequence[int]) -> torch.Tensor:
-        """This server's share of ``<W_i, key_k>`` over ``part`` for the public random keys:
-        ``[clients, keys]`` float64 (sent to the owners)."""
-        return keys.values(torch.stack([self.W[c][part] for c in clients]))
 
     def ring_shares(self, part: str, clients: Sequence[int], frac_bits: int) -> torch.Tensor:
         """This server's share of every ``W_i`` over ``part`` in the ring (fixed point), for
