@@ -12,7 +12,8 @@ by one consumer:
 - the calibrated statistic (:mod:`fedattr.attribution.calibrated`): :class:`LinearKeyScorer`
   (required: owner statistics linear in the key, with the key's law per part), and the
   optional :class:`OwnerKeys`, :class:`SteppedReading`, :class:`SpreadReporter`,
-  :class:`ReferenceProbabilities`, :class:`RowOwnerValues`.
+  :class:`ReferenceProbabilities`, :class:`RowOwnerValues`;
+- the sealed mode's coordinator: :class:`Parties` (where its servers and owners run).
 
 The detectors themselves live in :mod:`fedattr.watermarks` and need not import this module:
 the protocols are structural.
@@ -21,12 +22,15 @@ the protocols are structural.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from ..watermarks.tail.laws import KeyLaw
+
+if TYPE_CHECKING:
+    from .sealed.parties import Opening, RoundWork, Verdicts
 
 Parts = dict[str, torch.Tensor]
 """Part name -> a change (or a standardised change): one per key law the detector reads."""
@@ -188,3 +192,39 @@ class RowOwnerValues(Protocol):
     def owner_values_rows(self, part: str, rows: torch.Tensor, lo: int) -> dict[str, float]:
         """``<W[lo : lo + len(rows)], G_owner[same rows]>`` for every owner reading ``part``."""
         ...
+
+
+class Parties(Protocol):
+    """The sealed mode's parties, wherever they run (:mod:`fedattr.attribution.sealed.parties`):
+    what its coordinator, :class:`~fedattr.attribution.sealed.SealedObserver`, asks of them."""
+
+    def owners(self) -> list[str]:
+        """The owners' names (sorted)."""
+        ...
+
+    def round(self, work: RoundWork) -> np.ndarray:
+        """Clients send their shares; each server opens its sum over ``work.answered`` (the
+        two returned added: the round's weighted aggregate, flat float64) and reads its
+        shares into its running sums."""
+        ...
+
+    def clients(self) -> list[int]:
+        """Clients both servers hold a running sum of."""
+        ...
+
+    def open(self, opening: Opening) -> tuple[Verdicts, dict[str, Any]]:
+        """The owners' verdicts, and the openings' cost (bytes, triples, cells, seconds)."""
+        ...
+
+    @property
+    def reads(self) -> int:
+        """First-order reads of shares over the run (both servers)."""
+        ...
+
+    def attack(self) -> dict[str, Any]:
+        """The simulation's attack on server A's view (empty where the truth is not here)."""
+        ...
+
+    def state(self) -> Any: ...
+
+    def load(self, state: Any) -> None: ...

@@ -20,14 +20,13 @@ from typing import Any
 import torch
 
 from ..attribution.config import AttributionConfig
-from ..attribution.contract import KeyStatisticScorer, ProbeScorer
+from ..attribution.contract import KeyStatisticScorer, Parties, ProbeScorer
 from ..attribution.crossround import CrossRoundObserver
 from ..attribution.export import ExportObserver
 from ..attribution.observer import AttributionObserver, CeilingObserver
 from ..attribution.protocol import FedAttr
 from ..attribution.scoring import LinearScorer, scorer_null
 from ..attribution.sealed import SealedObserver
-from ..attribution.sealed.parties import Parties
 from ..attribution.stouffer import AttributionReport
 from ..baselines import BaselineRecorder, BaselineResult
 from ..baselines.observer import BaselineObserver

@@ -24,9 +24,10 @@ Where the parties run (:mod:`.parties`): all in this process, or each on its own
 sees) is in ``docs/explanation/sealed-mode.md``.
 """
 
+from ..contract import Parties
 from .observer import SealedAttribution, SealedObserver
 from .owner import OwnerOpenings, sealed_report
-from .parties import LocalParties, Parties, Verdicts
+from .parties import LocalParties, Verdicts
 from .servers import ReadingServer, first_order_parts
 
 __all__ = [

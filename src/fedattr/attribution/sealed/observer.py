@@ -26,9 +26,10 @@ from ...updates import UpdateLayout
 from ...watermarks.tail.laws import RowSubsets
 from ..calibrated.weights import taper_weights
 from ..config import AttributionConfig
+from ..contract import Parties
 from ..stouffer import AttributionReport
 from .owner import OwnerOpenings, sealed_report
-from .parties import LocalParties, Opening, Parties, RoundWork, check_laws, owner_keys
+from .parties import LocalParties, Opening, RoundWork, check_laws, owner_keys
 from .servers import first_order_parts, weighed
 
 

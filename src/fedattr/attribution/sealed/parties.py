@@ -4,9 +4,10 @@ the owners.
 :class:`~.observer.SealedObserver` is the coordinator: it asks the parties for each round's
 work and for the owners' verdicts at the end, and computes only public things itself (the
 masks' scale, the taper, round 1's centre from the round's aggregate). The parties answer
-through :class:`Parties`: :class:`LocalParties` plays them all in this process (a simulation:
-the clients split what the pool holds); :mod:`fedattr.flower.sealed` puts each on its own Flower
-node, every message between two of them sealed to the recipient.
+through :class:`~fedattr.attribution.contract.Parties`: :class:`LocalParties` plays them all
+in this process (a simulation: the clients split what the pool holds);
+:mod:`fedattr.flower.sealed` puts each on its own Flower node, every message between two of
+them sealed to the recipient.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,41 +71,6 @@ class Opening:
     seed: int
     """Their seed (public)."""
     frac_bits: int
-
-
-class Parties(Protocol):
-    """The sealed mode's parties, wherever they run."""
-
-    def owners(self) -> list[str]:
-        """The owners' names (sorted)."""
-        ...
-
-    def round(self, work: RoundWork) -> np.ndarray:
-        """Clients send their shares; each server opens its sum over ``work.answered`` (the
-        two returned added: the round's weighted aggregate, flat float64) and reads its
-        shares into its running sums."""
-        ...
-
-    def clients(self) -> list[int]:
-        """Clients both servers hold a running sum of."""
-        ...
-
-    def open(self, opening: Opening) -> tuple[Verdicts, dict[str, Any]]:
-        """The owners' verdicts, and the openings' cost (bytes, triples, cells, seconds)."""
-        ...
-
-    @property
-    def reads(self) -> int:
-        """First-order reads of shares over the run (both servers)."""
-        ...
-
-    def attack(self) -> dict[str, Any]:
-        """The simulation's attack on server A's view (empty where the truth is not here)."""
-        ...
-
-    def state(self) -> Any: ...
-
-    def load(self, state: Any) -> None: ...
 
 
 def opening_bytes(clients: int, cells: Mapping[str, int], keys: int) -> int:
