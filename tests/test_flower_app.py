@@ -79,6 +79,20 @@ class LocalGrid(Grid):
         raise NotImplementedError  # fedattr pushes and pulls itself
 
 
+def killed_in_round_2(grid):
+    """``grid`` whose ServerApp is killed as it sends round 2's ``train`` messages."""
+
+    class Killed(grid):
+        def push_messages(self, messages):
+            if any(
+                m.metadata.message_type == "train" and m.metadata.group_id == "2" for m in messages
+            ):
+                raise KeyboardInterrupt  # the ServerApp is killed during round 2
+            return super().push_messages(messages)
+
+    return Killed
+
+
 @pytest.fixture(autouse=True)
 def _task_identity():
     saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
@@ -222,14 +236,7 @@ def test_an_interrupted_flower_run_resumes_to_the_same_results(tiny_cache, tmp_p
     first = _claimed(tmp_path / "a", cfg)
     whole = serve(LocalGrid(range(cfg.fl.K)), {"run-folder": str(first.path)}, say=lambda _m: None)
 
-    class Killed(LocalGrid):
-        def push_messages(self, messages):
-            if any(
-                m.metadata.message_type == "train" and m.metadata.group_id == "2" for m in messages
-            ):
-                raise KeyboardInterrupt  # the ServerApp is killed during round 2
-            return super().push_messages(messages)
-
+    Killed = killed_in_round_2(LocalGrid)
     folder = _claimed(tmp_path / "b", cfg)
     with pytest.raises(KeyboardInterrupt):
         serve(Killed(range(cfg.fl.K)), {"run-folder": str(folder.path)}, say=lambda _m: None)

@@ -28,7 +28,12 @@ from fedattr.pipeline.config import RunConfig  # noqa: E402
 from fedattr.pipeline.run import run_experiment  # noqa: E402
 from fedattr.secagg.envelope import Recipient, seal, seal_arrays  # noqa: E402
 from fedattr.secagg.errors import SecAggError  # noqa: E402
-from test_flower_app import LocalGrid, _claimed, _task_identity  # noqa: E402,F401
+from test_flower_app import (  # noqa: E402,F401
+    LocalGrid,
+    _claimed,
+    _task_identity,
+    killed_in_round_2,
+)
 
 
 class PartiesGrid(LocalGrid):
@@ -204,14 +209,7 @@ def test_an_interrupted_sealed_flower_run_resumes_from_the_servers_own_sums(tiny
         say=lambda _m: None,
     )
 
-    class Killed(PartiesGrid):
-        def push_messages(self, messages):
-            if any(
-                m.metadata.message_type == "train" and m.metadata.group_id == "2" for m in messages
-            ):
-                raise KeyboardInterrupt  # the ServerApp is killed during round 2
-            return super().push_messages(messages)
-
+    Killed = killed_in_round_2(PartiesGrid)
     nodes = launch_nodes(cfg, tmp_path / "b-nodes")
     folder = _claimed(tmp_path / "b", cfg)
     with pytest.raises(KeyboardInterrupt):
