@@ -116,7 +116,6 @@ class FlowerParties:
                 "previous": -1 if work.previous is None else work.previous,
                 "answered": [int(c) for c in work.answered],
                 "layout": json.dumps(work.layout.to_dict()),
-                "frac_bits": work.frac_bits,
             }
             fields |= {f"env.{c}": self.envelopes[c][s] for c in work.answered}
             records: dict[str, Any] = {

@@ -137,9 +137,11 @@ def register(context: Context, role: str, text: str) -> dict[str, Any]:
         context.state.array_records[_KEY] = arrays({"green": G.numpy().astype(np.uint8)})
     recipient = Recipient()
     laws = {p: [law.m, law.cols] for p, law in reader.key_laws().items()}
+    if role == "share-server":  # it reads every round with them; an owner never does
+        stored["documents"] = json.dumps(documents)
     stored |= {
         "name": name,
-        "documents": json.dumps(documents),
+        "frac_bits": cfg.attribution.sealed.frac_bits,
         "laws": json.dumps(laws),
         "private_key": recipient.private_bytes(),
         "min_members": cfg.secagg.min_members,
@@ -239,7 +241,7 @@ def read_round(msg: Message, context: Context) -> Message:
     reference = record_state(content["reference"])
     read = first_order_parts(_reader_of(stored))
     server.read_round(read, reference, layout, weights, centre)
-    server.check_fits(int(rec["frac_bits"]))
+    server.check_fits(int(stored["frac_bits"]))  # the run's, as the openings will encode
     server.shares.close_round()
     torch.save(server.state(), _sums(folder, round_id))
     reply = RecordDict(
