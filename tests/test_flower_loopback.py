@@ -2,6 +2,7 @@
 separate processes, ``flwr run``) reaches the same per-client Z as the in-process engine, and
 every process it started is stopped."""
 
+import json
 import os
 import shutil
 import sys
@@ -149,3 +150,8 @@ def test_a_sealed_run_on_flower_processes_every_party_its_own(tiny_cache, tmp_pa
     assert data["runtime"]["nodes"].keys() == {"0", "1", "2", "3"}
     for s in "AB":
         assert (tmp_path / "run" / "flower" / f"server-{s}" / "sums-round1.pt").is_file()
+    # Every party ran with its own key file and the deployment directory that pins the others'.
+    keys = tmp_path / "run" / "flower" / "keys"
+    pinned = json.loads((keys / "directory.json").read_text())
+    assert set(pinned["clients"]) == {"0", "1", "2", "3"} and set(pinned["owners"]) == {"0", "1"}
+    assert all((keys / f"{p}.key").stat().st_mode & 0o077 == 0 for p in ("server-A", "client-0"))

@@ -4,6 +4,7 @@ envelopes, deals triples and reads the aggregate. The verdict is the in-process 
 server refuses to open one client's share, or a second set of a round's shares."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,11 +39,14 @@ from test_flower_app import (  # noqa: E402,F401
 
 class PartiesGrid(LocalGrid):
     """The clients' SuperNodes and the sealed mode's other parties (node ids 200 on), each
-    with its own node configuration, as ``fedattr flower local`` starts them."""
+    with its own node configuration (keys, the directory), as ``fedattr flower local`` starts
+    them."""
 
-    def __init__(self, clients, parties):
+    def __init__(self, clients, nodes):
         super().__init__(clients)
-        for i, node_config in enumerate(parties):
+        for p, extra in nodes.clients.items():
+            self.contexts[100 + p].node_config.update(extra)
+        for i, node_config in enumerate(nodes.parties):
             self.contexts[200 + i] = Context(1, 200 + i, dict(node_config), RecordDict(), {})
         self.replies: list[tuple[str, Message]] = []
         """(message type, reply) of every message answered."""
@@ -66,9 +70,11 @@ def test_a_sealed_run_with_every_party_a_node_names_what_the_in_process_run_name
     cfg = _sealed_cfg(tiny_cache, "fl.batched=false")
     check_settings(cfg, "run")  # allowed on Flower now
     folder = _claimed(tmp_path, cfg)
-    parties = launch_nodes(cfg, tmp_path / "nodes")
-    assert [p["role"] for p in parties] == ["share-server", "share-server", "owner", "owner"]
-    grid = PartiesGrid(range(cfg.fl.K), parties)
+    nodes = launch_nodes(cfg, tmp_path / "nodes")
+    roles = [p["role"] for p in nodes.parties]
+    assert roles == ["share-server", "share-server", "owner", "owner"]
+    assert all("directory" in n for n in [*nodes.parties, *nodes.clients.values()])
+    grid = PartiesGrid(range(cfg.fl.K), nodes)
     remote = serve(grid, {"run-folder": str(folder.path), "timeout": 120}, say=lambda _m: None)
     local = run_experiment(cfg)
     # Fresh masks each run: the same verdicts, the same owners' values up to the shares'
@@ -225,3 +231,89 @@ def test_an_interrupted_sealed_flower_run_resumes_from_the_servers_own_sums(tiny
     for a, b in zip(again.report.clients, whole.report.clients, strict=True):
         assert abs(a.p - b.p) <= 2 * 2 / 32, (a.id, a.p, b.p)
     assert again.to_dict()["sealed"]["share_reads"] == 2 * 2 * cfg.fl.K
+
+
+def test_a_party_with_a_directory_takes_no_key_and_no_setting_from_the_coordinator(
+    tiny_cache, tmp_path
+):
+    from dataclasses import replace
+
+    from fedattr.flower.records import config_json
+
+    cfg = _sealed_cfg(tiny_cache)
+    nodes = launch_nodes(cfg, tmp_path / "nodes")
+    server_a, owner_0 = nodes.parties[0], nodes.parties[2]
+    eve = Recipient()
+
+    run = config_json(cfg)
+
+    def registered(node_config, text=run, node=7):
+        ctx = Context(1, node, dict(node_config), RecordDict(), {})
+        msg = Message(
+            RecordDict({"fedattr": config({"command": "run", "config": text})}),
+            dst_node_id=node,
+            message_type="query.register",
+        )
+        return ctx, client_app(msg, ctx)
+
+    # The run's configuration is pinned: a coordinator that lowers the masks' scale is refused,
+    # and so is a node whose key is not the one the directory lists for it.
+    lowered = replace(cfg, attribution=replace(cfg.attribution))
+    lowered.attribution.sealed = replace(cfg.attribution.sealed, mask_scale=1e-3)
+    with pytest.raises(SecAggError, match="is not the run its directory pins"):
+        registered(server_a, config_json(lowered))
+    wrong = {**server_a, "key-file": nodes.parties[1]["key-file"]}
+    with pytest.raises(UserError, match="the directory lists"):
+        registered(wrong)
+
+    # A share server opens a share only from the client the directory names.
+    ctx, reply = registered(server_a)
+    key = bytes(reply.content.config_records["fedattr"]["public_key"])
+    clients = {c: Recipient.load(n["key-file"]) for c, n in nodes.clients.items()}
+
+    def read(senders):
+        fields = {
+            "round": 1,
+            "previous": -1,
+            "answered": list(senders),
+            "layout": json.dumps({"names": ["x"], "shapes": [[3]], "dtypes": ["float32"]}),
+        }
+        for c, sender in senders.items():
+            fields[f"env.{c}"] = seal_arrays(
+                key, {"share": np.full(3, 1.0)}, sealed_nodes.share_context(1, c, "A"), sender
+            )
+        msg = Message(
+            RecordDict({"fedattr": config(fields)}), dst_node_id=7, message_type="query.x"
+        )
+        return sealed_nodes.read_round(msg, ctx)
+
+    for forged in (None, eve):  # a relay posing as client 2, anonymously or with its own key
+        with pytest.raises(SecAggError, match="not by the pinned sender"):
+            read({0: clients[0], 1: clients[1], 2: forged})
+    with pytest.raises(SecAggError, match="client 99 is not in its directory"):
+        read({0: clients[0], 1: clients[1], 99: eve})
+    assert not (tmp_path / "nodes" / "server-A" / "opened.json").exists()  # nothing opened
+    with pytest.raises(UserError, match=r"holds no taper"):  # the genuine shares open
+        read({c: clients[c] for c in range(3)})
+
+    # An owner shares its key only to the pinned servers.
+    ctx, _ = registered(owner_0, node=8)
+    pins = json.loads(Path(owner_0["directory"]).read_text())["servers"]
+    ask = {"index": 0, "pk.A": eve.public_key, "pk.B": bytes.fromhex(pins["B"])}
+    msg = Message(RecordDict({"fedattr": config(ask)}), dst_node_id=8, message_type="query.x")
+    with pytest.raises(SecAggError, match=r"gave server A the key .* directory pins"):
+        sealed_nodes.share_key(msg, ctx)
+
+    # A client seals its shares only to the pinned servers: refused before it trains.
+    client = {"partition-id": 0, **nodes.clients[0]}
+    ctx, _ = registered(client, node=9)
+    fields = {
+        "round": 1,
+        "scale": 1.0,
+        "participants": [0],
+        "sealed.pk.A": bytes.fromhex(pins["A"]),
+        "sealed.pk.B": eve.public_key,
+    }
+    msg = Message(RecordDict({"fedattr": config(fields)}), dst_node_id=9, message_type="train")
+    with pytest.raises(SecAggError, match="gave share server B the key"):
+        client_app(msg, ctx)

@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..errors import UserError
-from .common import config_options, default_run_dir, resolve_run_config, say
+from .common import config_options, default_run_dir, load_run_config, resolve_run_config, say
 
 
 def _cmd_flower_local(args: argparse.Namespace) -> int:
@@ -85,6 +85,78 @@ def _cmd_flower_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_flower_keygen(args: argparse.Namespace) -> int:
+    from ..secagg.envelope import Recipient
+
+    key = Recipient()
+    path = key.save(args.key_file)
+    say(f"wrote {path} (mode 0600: this party's alone); its public key, for the directory:")
+    print(key.public_key.hex())
+    return 0
+
+
+def _public_keys(items: list[str], option: str, names: tuple[str, ...] | None) -> dict[str, str]:
+    """``NAME=HEX`` pairs of a ``directory`` option (checked by the directory itself)."""
+    keys: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        allowed = "/".join(names) if names else "an index"
+        if (
+            not sep
+            or (names is not None and name not in names)
+            or (names is None and not name.isdigit())
+        ):
+            raise UserError(f"{option}: NAME=PUBLIC_KEY with NAME {allowed}, got {item!r}")
+        if name in keys:
+            raise UserError(f"{option}: {name} given twice")
+        keys[name] = value
+    return keys
+
+
+def _cmd_flower_directory(args: argparse.Namespace) -> int:
+    from ..config import to_dict
+    from ..secagg.directory import SERVERS, Directory, run_digest
+
+    cfg = load_run_config(args, args.preset or "tiny")
+    if cfg.attribution.protocol.mode != "sealed":
+        raise UserError(
+            "attribution.protocol.mode: a directory serves the sealed mode; allowed: sealed"
+        )
+    servers = _public_keys(args.server, "--server", SERVERS)
+    owners = _public_keys(args.owner, "--owner", None)
+    clients = _public_keys(args.client, "--client", None)
+    if sorted(servers) != list(SERVERS):
+        raise UserError(f"--server: give A=... and B=...; got {sorted(servers) or 'none'}")
+    from ..flower.server_app import sealed_parties
+
+    wanted = range(sealed_parties(cfg) - 2)
+    if sorted(int(o) for o in owners) != list(wanted):
+        raise UserError(
+            f"--owner: the run has {len(wanted)} owners, indices 0..{len(wanted) - 1}, each "
+            f"with its key; got {sorted(owners) or 'none'}"
+        )
+    missing = sorted(set(range(cfg.fl.K)) - {int(c) for c in clients})
+    if missing:
+        raise UserError(
+            f"--client: every client 0..{cfg.fl.K - 1} needs its key; missing {missing}"
+        )
+    directory = Directory.from_dict(
+        {
+            "run": run_digest(json.dumps(to_dict(cfg))),
+            "servers": servers,
+            "owners": owners,
+            "clients": clients,
+        }
+    )
+    path = directory.save(args.out)
+    say(
+        f"wrote {path}: {len(clients)} clients, {len(owners)} owners, servers A and B, the run "
+        f"sha256 {directory.run[:16]}...; give it to every party (--node-config "
+        "\"directory='...' key-file='...'\")"
+    )
+    return 0
+
+
 def _cmd_flower_app(args: argparse.Namespace) -> int:
     from ..flower.launch import write_app
 
@@ -131,6 +203,31 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     fl.add_argument("--json", action="store_true", help="print results.json")
     fl.set_defaults(func=_cmd_flower_local)
+    kg = flower_sub.add_parser(
+        "keygen", help="a sealed-mode party's envelope key (prints its public key)"
+    )
+    kg.add_argument("key_file", metavar="KEY_FILE", help="where to write it (never overwritten)")
+    kg.set_defaults(func=_cmd_flower_keygen)
+    fd = flower_sub.add_parser(
+        "directory",
+        help="the sealed mode's directory: every party's public key and the run, pinned",
+    )
+    fd.add_argument("out", metavar="OUT", help="the directory file to write (JSON)")
+    fd.add_argument("--preset", help="tiny (default) or smollm2")
+    config_options(fd, "the run's .json/.toml file, as the ServerApp will read it")
+    for option, what in (
+        ("--server", "A=HEX or B=HEX"),
+        ("--owner", "INDEX=HEX (the owner node's owner= setting)"),
+        ("--client", "ID=HEX (the client node's partition-id)"),
+    ):
+        fd.add_argument(
+            option,
+            action="append",
+            default=[],
+            metavar=what.split(" ")[0],
+            help=f"a party's public key, {what} (repeatable)",
+        )
+    fd.set_defaults(func=_cmd_flower_directory)
     fa = flower_sub.add_parser("app", help="write the Flower app project for flwr run")
     fa.add_argument("folder", help="where to write pyproject.toml")
     fa.set_defaults(func=_cmd_flower_app)

@@ -28,7 +28,7 @@ from ..errors import UserError
 from ..fl.node import LLMClientNode, SyntheticClientNode
 from ..fl.registry import make_strategy
 from ..runtime import set_threads
-from ..secagg.envelope import seal_arrays
+from ..secagg.envelope import Recipient, seal_arrays
 from ..secagg.errors import QueryRefused
 from ..secagg.party import MaskingParty
 from ..secagg.sealed import split_update
@@ -99,6 +99,12 @@ def register(msg: Message, context: Context) -> Message:
     node = _node(command, cfg, client)
     size = node.data_size()
     stored = {"command": command, "config": text, "client": client}
+    if command == "run" and cfg.attribution.protocol.mode == "sealed":
+        # Its envelope key (and, given a directory, the pinned parties' keys): the shares it
+        # seals are opened only as coming from it.
+        stored |= sealed_nodes.identity(
+            context, text, lambda d: d.client(client, f"client {client}")
+        )
     if isinstance(node, LLMClientNode):
         stored["records"] = json.dumps(node.records_dicts())  # built once per run
     context.state.config_records[_NODE] = config(stored)
@@ -111,6 +117,8 @@ def train(msg: Message, context: Context) -> Message:
     set_threads()
     command, cfg, client, stored = _registered(context)
     rec = msg.content.config_records["fedattr"]
+    if "sealed.pk.A" in rec:
+        _sealing_key(rec, stored, client)  # before any training: a substituted key is refused
     round_id, scale = int(rec["round"]), float(rec["scale"])
     participants = [int(c) for c in rec["participants"]]
     records = None
@@ -133,8 +141,7 @@ def train(msg: Message, context: Context) -> Message:
         # The sealed mode: what it submits, split into two reading shares, one sealed to each
         # share server (the coordinator relays them unread). The masks' scale is the client's
         # own reading of the run's settings, not the coordinator's to choose.
-        if bytes(rec["sealed.pk.A"]) == bytes(rec["sealed.pk.B"]):
-            raise QueryRefused("sealed: share servers A and B were given one key; refused")
+        me = _sealing_key(rec, stored, client)
         strategy, _ = make_strategy(cfg.fl, cfg.lora)
         sd = mask_sd(cfg.attribution.sealed.mask_scale, strategy.scoring_params(state))
         shares = split_update(layout.flatten(update), sd)
@@ -143,8 +150,28 @@ def train(msg: Message, context: Context) -> Message:
                 bytes(rec[f"sealed.pk.{server}"]),
                 {"share": share},
                 sealed_nodes.share_context(round_id, client, server),
+                me,
             )
     return Message(RecordDict({"fedattr": config(reply)}), reply_to=msg)
+
+
+def _sealing_key(rec: Any, stored: ConfigRecord, client: int) -> Recipient | None:
+    """The sealed mode: check the share servers' keys the coordinator handed out (distinct; with
+    a directory, the pinned ones) and return the key this client seals its shares with (None:
+    no directory, unauthenticated envelopes)."""
+    if bytes(rec["sealed.pk.A"]) == bytes(rec["sealed.pk.B"]):
+        raise QueryRefused("sealed: share servers A and B were given one key; refused")
+    directory = sealed_nodes.directory_of(stored)
+    if directory is None:
+        return None
+    for server in sealed_nodes.SERVERS:
+        directory.expect(
+            bytes(rec[f"sealed.pk.{server}"]),
+            directory.server(server),
+            f"share server {server}",
+            f"client {client}",
+        )
+    return Recipient(bytes(stored["private_key"]))
 
 
 def _save(context: Context, party: MaskingParty) -> None:

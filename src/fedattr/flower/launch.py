@@ -23,10 +23,13 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import UserError, not_writable
+from ..secagg.directory import SERVERS, Directory, run_digest
+from ..secagg.envelope import Recipient
 
 Say = Callable[[str], None]
 
@@ -138,6 +141,7 @@ class LoopbackFederation:
         say: Say | None = None,
         start_timeout: float = 120.0,
         parties: Sequence[Mapping[str, Any]] = (),
+        per_client: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> None:
         if nodes < 1:
             raise UserError(f"nodes: must be >= 1, got {nodes}")
@@ -146,6 +150,8 @@ class LoopbackFederation:
         self.parties = [dict(p) for p in parties]
         """Further SuperNodes, each with its own ``--node-config`` (the sealed mode's share
         servers and owners)."""
+        self.per_client = {int(c): dict(v) for c, v in (per_client or {}).items()}
+        """Settings client node ``c`` adds to its own (its key file, the directory)."""
         self.say = say or (lambda _m: None)
         self.start_timeout = start_timeout
         self.bin = Path(sys.executable).parent
@@ -223,7 +229,10 @@ class LoopbackFederation:
 
         self._wait(healthy, link, "the SuperLink", "superlink.log")
         self.timings["superlink_ready_s"] = time.perf_counter() - start
-        configs = [{"partition-id": i, **self.node_config} for i in range(self.nodes)]
+        configs = [
+            {"partition-id": i, **self.node_config, **self.per_client.get(i, {})}
+            for i in range(self.nodes)
+        ]
         for i, (port, node) in enumerate(zip(node_ports, configs + self.parties, strict=True)):
             settings = " ".join(f"{k}={_toml(v)}" for k, v in node.items())
             self._spawn(
@@ -380,19 +389,62 @@ class ServerAppError(RuntimeError):
     """The ServerApp failed with a bug; the message holds its traceback."""
 
 
-def sealed_nodes(config: Any, work: Path) -> list[dict[str, Any]]:
+@dataclass
+class SealedNodes:
+    """The sealed mode's node settings on one machine: the share servers' and owners' nodes,
+    and what each client node adds to its own."""
+
+    parties: list[dict[str, Any]] = field(default_factory=list)
+    clients: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def _envelope_key(folder: Path, name: str) -> tuple[str, bytes]:
+    """A party's key file under ``folder`` (kept: a resumed run's parties keep their keys)."""
+    path = folder / f"{name}.key"
+    key = Recipient.load(path) if path.is_file() else Recipient()
+    if not path.is_file():
+        key.save(path)
+    return str(path.resolve()), key.public_key
+
+
+def sealed_nodes(config: Any, work: Path) -> SealedNodes:
     """The sealed mode's SuperNodes beside the clients (none in another mode): share servers A
     and B, each keeping its running sums in its own folder under ``work``, and one node per
-    owner."""
+    owner; every party, clients too, with its own envelope key and the deployment directory
+    (``work/keys``), so no party takes a key from the coordinator."""
+    from .records import config_json
     from .server_app import sealed_parties
 
     if config.attribution.protocol.mode != "sealed":
-        return []
-    servers = [
-        {"role": "share-server", "server": s, "state-dir": str((work / f"server-{s}").resolve())}
-        for s in ("A", "B")
+        return SealedNodes()
+    folder = work / "keys"
+    folder.mkdir(parents=True, exist_ok=True)
+    servers = {s: _envelope_key(folder, f"server-{s}") for s in SERVERS}
+    owners = {j: _envelope_key(folder, f"owner-{j}") for j in range(sealed_parties(config) - 2)}
+    clients = {c: _envelope_key(folder, f"client-{c}") for c in range(config.fl.K)}
+    directory = Directory(
+        {s: k for s, (_, k) in servers.items()},
+        {j: k for j, (_, k) in owners.items()},
+        {c: k for c, (_, k) in clients.items()},
+        run_digest(config_json(config)),
+    )
+    pinned = {"directory": str(directory.save(folder / "directory.json").resolve())}
+    parties = [
+        {
+            "role": "share-server",
+            "server": s,
+            "state-dir": str((work / f"server-{s}").resolve()),
+            "key-file": path,
+            **pinned,
+        }
+        for s, (path, _) in servers.items()
     ]
-    return servers + [{"role": "owner", "owner": j} for j in range(sealed_parties(config) - 2)]
+    parties += [
+        {"role": "owner", "owner": j, "key-file": path, **pinned} for j, (path, _) in owners.items()
+    ]
+    return SealedNodes(
+        parties, {c: {"key-file": path, **pinned} for c, (path, _) in clients.items()}
+    )
 
 
 def run_loopback(
@@ -429,8 +481,10 @@ def run_loopback(
             shown = len(lines)
         return results.is_file() or error.is_file()
 
-    parties = sealed_nodes(config, work) if command == "run" else []
-    with LoopbackFederation(clients, work, node_config, say=say, parties=parties) as fed:
+    sealed = sealed_nodes(config, work) if command == "run" else SealedNodes()
+    with LoopbackFederation(
+        clients, work, node_config, say=say, parties=sealed.parties, per_client=sealed.clients
+    ) as fed:
         start = time.perf_counter()
         run_id = fed.submit(
             app,

@@ -159,7 +159,10 @@ class FlowerParties:
             dict(keys[int(self.owner_nodes[o]["node"])].content.config_records["fedattr"])
             for o in owners
         ]
-        described = [{"part": str(k["part"]), "cells": int(k["cells"])} for k in shared]
+        described = [
+            {"name": o, "part": str(k["part"]), "cells": int(k["cells"])}
+            for o, k in zip(owners, shared, strict=True)
+        ]
         # 2. The dealer (this coordinator, which sees no share) deals one triple per owner.
         dealer = Dealer()
         triples = [dealer.triples(len(clients), d["cells"]) for d in described]

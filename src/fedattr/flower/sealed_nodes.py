@@ -17,6 +17,12 @@ coordinator only relays; it deals the Beaver triples (it sees no data) and reads
   from what they send back, computes its own rank p per client, and publishes only that (with
   each client's value standardised by the random keys', for display).
 
+Given a deployment directory (``directory='deployment.json' key-file='party.key'``, see
+:mod:`fedattr.secagg.directory`) a party takes no key and no setting from the coordinator: it
+checks the run's configuration, its own key and every key it is handed against the directory,
+and opens an envelope only from the sender the directory names. Without one the coordinator is
+trusted to relay keys honestly (honest but curious).
+
 In this simulation every party derives the owners' documents from the configuration (the
 teacher writes them once per party, kept in the node's state); the servers' code reads no key.
 """
@@ -45,6 +51,7 @@ from ..attribution.sealed.servers import ReadingServer, first_order_parts
 from ..errors import UserError
 from ..secagg.beaver import InnerProductParty, TripleShare
 from ..secagg.beaver import split as ring_split
+from ..secagg.directory import SERVERS, Directory
 from ..secagg.envelope import Recipient, seal_arrays
 from ..secagg.errors import QueryRefused
 from ..updates import UpdateLayout
@@ -53,7 +60,6 @@ from .records import arrays, config, config_of, record_state, unarrays
 
 ROLES = ("client", "share-server", "owner")
 """What a SuperNode plays (``--node-config role=...``; ``client`` by default)."""
-SERVERS = ("A", "B")
 _PARTY, _KEY = "fedattr.sealed", "fedattr.sealed.key"
 
 # A SuperNode may serve many messages from one process: the reader is built once there.
@@ -80,6 +86,39 @@ def _reader(text: str, documents: dict[str, Any]) -> Any:
         _READERS.clear()
         _READERS[text] = public_reader(config_of("run", text), documents)
     return _READERS[text]
+
+
+def identity(context: Context, text: str, pinned: Any) -> dict[str, Any]:
+    """This node's envelope key (``key-file``, else a fresh one) and, with ``directory`` in its
+    node configuration, the deployment directory, checked: the coordinator's configuration must
+    be the pinned run's and this node's key the one the directory lists for it (``pinned``:
+    ``Directory -> bytes``). Returns what the node keeps."""
+    node_config = context.node_config
+    key_file, where = node_config.get("key-file"), node_config.get("directory")
+    me = Recipient.load(str(key_file)) if key_file else Recipient()
+    kept: dict[str, Any] = {"private_key": me.private_bytes(), "directory": ""}
+    if where:
+        if not key_file:
+            raise UserError(
+                "key-file: a node with a directory needs its own key, the one the directory "
+                "lists for it (fedattr flower keygen)"
+            )
+        directory = Directory.load(str(where))
+        directory.check_run(text, "this node")
+        listed = pinned(directory)
+        if me.public_key != listed:
+            raise UserError(
+                f"key-file: {str(key_file)!r} holds the key {me.public_key.hex()[:16]}...; the "
+                f"directory lists {listed.hex()[:16]}... for this node"
+            )
+        kept["directory"] = json.dumps(directory.to_dict())
+    return kept
+
+
+def directory_of(stored: ConfigRecord) -> Directory | None:
+    """The directory a node registered with (None: it trusts the coordinator's keys)."""
+    text = str(stored.get("directory", ""))
+    return Directory.from_dict(json.loads(text)) if text else None
 
 
 def _stored(context: Context) -> tuple[ConfigRecord, Recipient]:
@@ -135,7 +174,11 @@ def register(context: Context, role: str, text: str) -> dict[str, Any]:
         part, G = owner_keys(reader)[name]
         stored |= {"part": part, "owners": len(names)}
         context.state.array_records[_KEY] = arrays({"green": G.numpy().astype(np.uint8)})
-    recipient = Recipient()
+    if role == "share-server":
+        stored |= identity(context, text, lambda d: d.server(name))
+    else:
+        stored |= identity(context, text, lambda d: d.owner(index, f"owner {name}"))
+    recipient = Recipient(stored["private_key"])
     laws = {p: [law.m, law.cols] for p, law in reader.key_laws().items()}
     if role == "share-server":  # it reads every round with them; an owner never does
         stored["documents"] = json.dumps(documents)
@@ -143,7 +186,6 @@ def register(context: Context, role: str, text: str) -> dict[str, Any]:
         "name": name,
         "frac_bits": cfg.attribution.sealed.frac_bits,
         "laws": json.dumps(laws),
-        "private_key": recipient.private_bytes(),
         "min_members": cfg.secagg.min_members,
     }
     context.state.config_records[_PARTY] = config(stored)
@@ -217,9 +259,11 @@ def read_round(msg: Message, context: Context) -> Message:
         )
     if previous >= 0:
         _load_sums(server, folder, previous)
+    directory, who = directory_of(stored), f"server {server.label}"
     for c in answered:
         envelope = bytes(rec[f"env.{c}"])
-        share = me.open_arrays(envelope, share_context(round_id, c, server.label))["share"]
+        sender = None if directory is None else directory.client(c, who)
+        share = me.open_arrays(envelope, share_context(round_id, c, server.label), sender)["share"]
         server.shares.receive(c, share)
     total = server.shares.total(answered)  # refused below min_members clients
     opened[str(round_id)] = answered
@@ -290,6 +334,21 @@ def open_owners(msg: Message, context: Context) -> Message:
             f"server {label} refused: its sums were opened to the owners once already "
             f"({opened['end']}); a second opening would reveal more of them"
         )
+    # With a directory nothing is sealed to a key, or opened from a sender, it does not list.
+    directory, who = directory_of(stored), f"server {label}"
+    pins: dict[str, Any] = {"peer": None, "owners": [None] * len(owners)}
+    if directory is not None:
+        directory.expect(bytes(rec["pk.peer"]), directory.server(peer), f"server {peer}", who)
+        names = sorted(owner_keys(_reader_of(stored)))  # the owners' indices, as it reads them
+        for j, o in enumerate(owners):
+            name = str(o.get("name", ""))
+            if name not in names:
+                raise QueryRefused(f"{who} refused: {name!r} is not an owner of this run")
+            pinned = directory.owner(names.index(name), who)
+            directory.expect(bytes(rec[f"pk.owner.{j}"]), pinned, f"owner {name}", who)
+            pins["owners"][j] = pinned
+        pins["peer"] = directory.server(peer)
+    sender = me if directory is not None else None
     if "end" not in opened:
         opened["end"] = end
         _record(folder, opened)
@@ -302,7 +361,9 @@ def open_owners(msg: Message, context: Context) -> Message:
         keys = random_keys(n_keys, seed, law, rows)
         (values,) = server_random_values([server], parts, clients, keys)
     for j, part in enumerate(parts):
-        y = me.open_arrays(bytes(rec[f"env.key.{j}"]), key_context(j, label))["key"]
+        y = me.open_arrays(bytes(rec[f"env.key.{j}"]), key_context(j, label), pins["owners"][j])[
+            "key"
+        ]
         triple = TripleShare(
             torch.from_numpy(triples[f"A.{j}"]),
             torch.from_numpy(triples[f"b.{j}"]),
@@ -317,19 +378,23 @@ def open_owners(msg: Message, context: Context) -> Message:
                 bytes(rec["pk.peer"]),
                 {"D": mine[0].numpy(), "e": mine[1].numpy()},
                 opening_context(j, label, peer),
+                sender,
             )
             fields[f"env.random.{j}"] = seal_arrays(
                 owner_key,
                 {"values": values[j].numpy(), "l1": server.l1(part, clients)},
                 result_context(j, label, "random"),
+                sender,
             )
         else:
-            theirs = me.open_arrays(bytes(rec[f"env.peer.{j}"]), opening_context(j, peer, label))
+            theirs = me.open_arrays(
+                bytes(rec[f"env.peer.{j}"]), opening_context(j, peer, label), pins["peer"]
+            )
             share = party.result(
                 mine, (torch.from_numpy(theirs["D"]), torch.from_numpy(theirs["e"]))
             )
             fields[f"env.result.{j}"] = seal_arrays(
-                owner_key, {"z": share.numpy()}, result_context(j, label, "inner")
+                owner_key, {"z": share.numpy()}, result_context(j, label, "inner"), sender
             )
     return Message(RecordDict({"fedattr": config(fields)}), reply_to=msg)
 
@@ -359,15 +424,24 @@ def _owner_key(context: Context) -> tuple[str, torch.Tensor]:
 
 def share_key(msg: Message, context: Context) -> Message:
     """The owner's key as two ring shares, one sealed to each server."""
-    _stored(context)
+    stored, me = _stored(context)
     rec = msg.content.config_records["fedattr"]
     index = int(rec["index"])
     part, G = _owner_key(context)
+    directory, who = directory_of(stored), f"owner {stored['name']}"
+    if directory is not None:
+        for label in SERVERS:
+            directory.expect(
+                bytes(rec[f"pk.{label}"]), directory.server(label), f"server {label}", who
+            )
     shares = ring_split(G.reshape(-1).long())
     fields: dict[str, Any] = {"part": part, "cells": int(G.numel())}
     for label, share in zip(SERVERS, shares, strict=True):
         fields[f"env.{label}"] = seal_arrays(
-            bytes(rec[f"pk.{label}"]), {"key": share.numpy()}, key_context(index, label)
+            bytes(rec[f"pk.{label}"]),
+            {"key": share.numpy()},
+            key_context(index, label),
+            None if directory is None else me,
         )
     return Message(RecordDict({"fedattr": config(fields)}), reply_to=msg)
 
@@ -379,12 +453,14 @@ def verdict(msg: Message, context: Context) -> Message:
     rec = msg.content.config_records["fedattr"]
     index, name = int(rec["index"]), str(stored["name"])
     _, G = _owner_key(context)
+    directory = directory_of(stored)
+    pins = {s: None if directory is None else directory.server(s) for s in SERVERS}
     inner = [
-        me.open_arrays(bytes(rec[f"env.result.{s}"]), result_context(index, s, "inner"))
+        me.open_arrays(bytes(rec[f"env.result.{s}"]), result_context(index, s, "inner"), pins[s])
         for s in SERVERS
     ]
     random = [
-        me.open_arrays(bytes(rec[f"env.random.{s}"]), result_context(index, s, "random"))
+        me.open_arrays(bytes(rec[f"env.random.{s}"]), result_context(index, s, "random"), pins[s])
         for s in SERVERS
     ]
     clients = [int(c) for c in rec["clients"]]

@@ -6,16 +6,22 @@ Beaver opening to the other, every server's result shares to each owner. Each is
 recipient's X25519 public key: a fresh ephemeral key pair, ``HKDF-SHA256`` of the Diffie-Hellman
 secret (bound to both public keys and a context labelling sender, recipient and purpose) and
 ChaCha20-Poly1305. The relay learns the length; a changed byte, or an envelope replayed under
-another context (another round, another recipient), fails to open. The sender is a label, not
-authenticated (a sealed box: anyone holding the recipient's public key can seal to it), and the
-recipient's key is what the relay handed out: the relay is trusted to hand out the parties'
-keys honestly (honest but curious; see ``docs/explanation/sealed-mode.md``).
+another context (another round, another recipient), fails to open.
+
+Without a sender key the sender is a label (a sealed box: anyone holding the recipient's public
+key can seal to it). With one (``sender=``, as HPKE's authenticated mode) the key also mixes
+the Diffie-Hellman secret of the sender's static key and the recipient's, so the envelope opens
+only for a recipient that names that sender: a party that pins every other party's public key
+(:class:`~fedattr.secagg.directory.Directory`) takes nothing from a relay posing as a client,
+an owner or the other server. See ``docs/explanation/sealed-mode.md``.
 """
 
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,11 +30,18 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
 
+from ..errors import UserError, not_writable
 from .errors import SecAggError
 
 _SALT = b"fedattr/secagg/envelope/v1"
+_AUTH_SALT = b"fedattr/secagg/envelope/v1/auth"
 _NONCE = bytes(12)  # every key is used for one message only
 
 
@@ -36,10 +49,19 @@ def _raw(public: X25519PublicKey) -> bytes:
     return public.public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
-def _key(secret: bytes, ephemeral: bytes, recipient: bytes, context: bytes) -> bytes:
-    return HKDF(
-        algorithm=hashes.SHA256(), length=32, salt=_SALT, info=ephemeral + recipient + context
-    ).derive(secret)
+def _key(
+    secret: bytes, ephemeral: bytes, recipient: bytes, context: bytes, sender: bytes | None
+) -> bytes:
+    salt, info = _SALT, ephemeral + recipient + context
+    if sender is not None:  # the sender's static key is bound too (its own salt: no mode mix-up)
+        salt, info = _AUTH_SALT, ephemeral + recipient + sender + context
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=info).derive(secret)
+
+
+def _public(raw: bytes, what: str, context: str) -> X25519PublicKey:
+    if len(raw) != 32:
+        raise SecAggError(f"envelope ({context}): a {what} key is 32 bytes, got {len(raw)}")
+    return X25519PublicKey.from_public_bytes(raw)
 
 
 class Recipient:
@@ -55,48 +77,93 @@ class Recipient:
 
     def private_bytes(self) -> bytes:
         """The raw private key (for the party's own storage only)."""
-        from cryptography.hazmat.primitives.serialization import NoEncryption, PrivateFormat
-
         return self._key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
 
-    def open(self, envelope: bytes, context: str) -> bytes:
-        """The plaintext of an envelope sealed to this party under ``context``."""
+    def save(self, path: str | Path) -> Path:
+        """Write the private key to a new file (hex, mode 0600); an existing file is kept."""
+        p = Path(path)
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise UserError(f"key file: {str(p)!r} exists; a key is never overwritten") from None
+        except OSError as exc:
+            raise not_writable(p.parent, "key file", exc) from None
+        with os.fdopen(fd, "w") as f:
+            f.write(self.private_bytes().hex() + "\n")
+        os.chmod(p, 0o600)  # whatever the umask
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path) -> Recipient:
+        """A key written by :meth:`save`."""
+        p = Path(path)
+        try:
+            text = p.read_text().strip()
+        except OSError as exc:
+            raise UserError(f"key-file: cannot read {str(p)!r} ({exc.strerror})") from None
+        try:
+            raw = bytes.fromhex(text)
+        except ValueError:
+            raw = b""
+        if len(raw) != 32:
+            raise UserError(
+                f"key-file: {str(p)!r} is not an envelope key (64 hex digits, as "
+                "'fedattr flower keygen' writes)"
+            )
+        return cls(raw)
+
+    def open(self, envelope: bytes, context: str, sender: bytes | None = None) -> bytes:
+        """The plaintext of an envelope sealed to this party under ``context`` (and, given
+        ``sender``, sealed by the holder of that public key)."""
         if len(envelope) < 32 + 16:
             raise SecAggError(f"envelope ({context}): {len(envelope)} bytes is too short")
         ephemeral, body = envelope[:32], envelope[32:]
         secret = self._key.exchange(X25519PublicKey.from_public_bytes(ephemeral))
-        key = _key(secret, ephemeral, self.public_key, context.encode())
+        if sender is not None:
+            secret += self._key.exchange(_public(sender, "sender", context))
+        key = _key(secret, ephemeral, self.public_key, context.encode(), sender)
         try:
             return ChaCha20Poly1305(key).decrypt(_NONCE, body, None)
         except InvalidTag:
             raise SecAggError(
-                f"envelope ({context}): does not open (altered, or sealed for another party "
-                "or context)"
+                f"envelope ({context}): does not open (altered, sealed for another party or "
+                "context" + (", or not by the pinned sender)" if sender is not None else ")")
             ) from None
 
-    def open_arrays(self, envelope: bytes, context: str) -> dict[str, np.ndarray]:
+    def open_arrays(
+        self, envelope: bytes, context: str, sender: bytes | None = None
+    ) -> dict[str, np.ndarray]:
         """:meth:`open` of an envelope made by :func:`seal_arrays`."""
-        with np.load(io.BytesIO(self.open(envelope, context)), allow_pickle=False) as data:
+        with np.load(io.BytesIO(self.open(envelope, context, sender)), allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
 
 
-def seal(recipient: bytes, plaintext: bytes, context: str) -> bytes:
+def seal(
+    recipient: bytes, plaintext: bytes, context: str, sender: Recipient | None = None
+) -> bytes:
     """``plaintext`` sealed to the X25519 public key ``recipient`` under ``context`` (sender,
-    recipient and purpose: an envelope opens under its own context only)."""
-    if len(recipient) != 32:
-        raise SecAggError(
-            f"envelope ({context}): a recipient key is 32 bytes, got {len(recipient)}"
-        )
+    recipient and purpose: an envelope opens under its own context only); with ``sender``, also
+    bound to the sender's static key (the recipient opens it naming that sender's public key)."""
     ephemeral = X25519PrivateKey.generate()
     public = _raw(ephemeral.public_key())
-    secret = ephemeral.exchange(X25519PublicKey.from_public_bytes(recipient))
-    key = _key(secret, public, recipient, context.encode())
+    theirs = _public(recipient, "recipient", context)
+    secret = ephemeral.exchange(theirs)
+    if sender is not None:
+        secret += sender._key.exchange(theirs)
+    key = _key(
+        secret, public, recipient, context.encode(), None if sender is None else sender.public_key
+    )
     return public + ChaCha20Poly1305(key).encrypt(_NONCE, plaintext, None)
 
 
-def seal_arrays(recipient: bytes, arrays: Mapping[str, np.ndarray], context: str) -> bytes:
+def seal_arrays(
+    recipient: bytes,
+    arrays: Mapping[str, np.ndarray],
+    context: str,
+    sender: Recipient | None = None,
+) -> bytes:
     """Named numpy arrays (any numeric dtype, no objects) sealed as one envelope."""
     buffer = io.BytesIO()
     named: dict[str, Any] = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
     np.savez(buffer, allow_pickle=False, **named)
-    return seal(recipient, buffer.getvalue(), context)
+    return seal(recipient, buffer.getvalue(), context, sender)
