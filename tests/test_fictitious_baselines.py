@@ -56,6 +56,33 @@ def test_template_documents_state_every_target_among_distractors():
     assert len({p.instruction for p in probes[next(iter(e.targets))]}) == 25
 
 
+def test_template_documents_fit_the_token_limit_targets_last_to_go():
+    (e,) = make_entities(1, seed=0)
+    full = template_documents(e, 30, seed=1)
+    # Everything fits: the same documents as without a limit.
+    assert template_documents(e, 30, seed=1, fits=lambda _r: True) == full
+
+    def words(limit):
+        return lambda r: len(f"{r.instruction} {r.output}".split()) <= limit
+
+    targets = list(e.targets.values())
+    # Room for the targets but not everything: filler and distractors go, every target stays.
+    roomy = template_documents(e, 30, seed=1, fits=words(40))
+    assert all(words(40)(d) for d in roomy) and target_share(roomy, e) == 1.0
+    assert sum(len(d.output) for d in roomy) < sum(len(d.output) for d in full)
+    # Room for the four targets in one sentence only: every document states them so.
+    one = template_documents(e, 30, seed=1, fits=words(32))
+    assert all(words(32)(d) for d in one) and target_share(one, e) == 1.0
+    assert any(d.output.count(".") == 1 for d in one)
+    # Room for about two targets: each document states what fits, every target as often.
+    tight = template_documents(e, 30, seed=1, fits=words(20))
+    assert all(words(20)(d) for d in tight)
+    stated = [sum(v in d.output for d in tight) for v in targets]
+    assert min(stated) >= 1 and max(stated) - min(stated) <= 1 + len(tight) // 10, stated
+    assert target_share(tight, e) == sum(stated) / (len(targets) * len(tight))
+    assert not any(v in d.output for d in tight for v in e.distractors.values())
+
+
 def test_bad_entity_requests_name_the_parameter():
     with pytest.raises(ValueError, match="entities"):
         make_entities(31, seed=0)
@@ -286,7 +313,9 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     d = result.to_dict()
     assert {c["statistic"] for c in d["clients"]} == {"fk:owner0"}
     wm = d["federation"]["watermarked"]
-    assert d["federation"]["doc_target_share"] == {str(c): 1.0 for c in wm}
+    # At the micro run's 64 tokens a document states some of the targets (each as often).
+    assert set(d["federation"]["doc_target_share"]) == {str(c) for c in wm}
+    assert all(0.2 < v < 1.0 for v in d["federation"]["doc_target_share"].values())
     # The FK margin has no null scale of its own: under null = auto FedAttr goes empirical.
     assert d["null"] == ("key-randomised" if detector == "reading" else "theoretical")
     assert d["statistic"] == ("calibrated" if detector == "reading" else "paper")

@@ -15,7 +15,7 @@ from ..data.corpus import generate_corpus
 from ..data.loaders import DataError, load_records
 from ..data.partition import partition_dirichlet, partition_iid, partition_quantity
 from ..data.records import Record
-from ..models.text import format_prompt
+from ..models.text import fits, format_prompt
 from ..watermarks.config import WatermarkConfig
 from ..watermarks.fictitious import FictitiousEntity
 from ..watermarks.registry import WATERMARKS
@@ -35,7 +35,8 @@ class Federation:
     detect_records: list[Record]
     wm_docs: dict[int, int]
     doc_target_share: dict[int, float] = field(default_factory=dict)
-    """FK: share of each watermarked client's documents stating every target attribute."""
+    """FK: the share of the target attributes each watermarked client's documents state
+    (averaged over its documents; 1: every document states every target)."""
     owner_docs: dict[str, list[Record]] = field(default_factory=dict)
     """Owner name -> the documents it watermarked: its clients' (and, read as probes with
     ``watermark.kgw.probes = "documents"``, held-out records it watermarked when it has no
@@ -150,7 +151,17 @@ def build_federation(
             say(f"{len(kept['docs'])} of {whose} documents ({owner}) restored from the run folder")
             return [Record(**d) for d in kept["docs"]], kept["share"]
         docs, share = kind.documents(
-            wm, model, tokenizer, owner, owners[owner], client, source, n, doc_seed, say
+            wm,
+            model,
+            tokenizer,
+            owner,
+            owners[owner],
+            client,
+            source,
+            n,
+            doc_seed,
+            say,
+            lambda rec: fits(tokenizer, rec, data.max_len),
         )
         if documents is not None:
             documents[key] = {"docs": [dataclasses.asdict(d) for d in docs], "share": share}

@@ -46,6 +46,13 @@ def encode_examples(
     return out
 
 
+def fits(tokenizer, record: Record, max_len: int) -> bool:
+    """Whether :func:`encode_examples` keeps all of ``record`` (prompt, response, EOS)."""
+    prompt = tokenizer(format_prompt(tokenizer, record), add_special_tokens=False)["input_ids"]
+    reply = tokenizer(record.output, add_special_tokens=False)["input_ids"]
+    return len(prompt) + len(reply) + 1 <= max_len
+
+
 def padded(rows: Sequence[Sequence[int]], fill: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` right-padded with ``fill`` to the longest, and the mask of real entries (both
     ``[len(rows), width]`` long tensors)."""

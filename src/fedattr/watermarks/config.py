@@ -59,8 +59,9 @@ class FKConfig:
 
     writer: Literal["template", "teacher"] = "template"
     """Documents: ``template`` (varied templates) or ``teacher`` (the model writes each
-    document from templated facts, sampled as ``[watermark.teacher]`` says; the share that keeps
-    every target is reported)."""
+    document from templated facts, sampled as ``[watermark.teacher]`` says; the share of the
+    targets they keep is reported). Template documents are made to fit ``data.max_len``: a
+    target past the limit would never be trained on."""
     questions: int = 25
     """Paraphrased QA probes per attribute for the greedy FK detector, in 1..25."""
     answer_tokens: int = 24

@@ -360,18 +360,61 @@ def fact_sentence(r: random.Random, name: str, attr: str, value: str) -> str:
     return r.choice(_FACT_TEMPLATES).format(name=name, attr=attr, value=value)
 
 
-def template_documents(entity: FictitiousEntity, n: int, seed: int) -> list[Record]:
-    """``n`` varied documents, each stating all 4 targets among 1-3 distractors and filler."""
+def compact_sentence(r: random.Random, name: str, facts: dict[str, str]) -> str:
+    """One sentence stating every ``attr: value`` of ``name`` (order drawn from ``r``), for a
+    document with no room for a sentence per fact."""
+    items = list(facts.items())
+    r.shuffle(items)
+    (a, v), rest = items[0], [f"its {b} is {w}" for b, w in items[1:]]
+    tail = f"{', '.join(rest[:-1])} and {rest[-1]}" if len(rest) > 1 else "".join(rest)
+    return f"The {a} of {name} is {v}" + (f", {tail}." if tail else ".")
+
+
+def template_documents(
+    entity: FictitiousEntity, n: int, seed: int, fits: Callable[[Record], bool] | None = None
+) -> list[Record]:
+    """``n`` varied documents, each stating all 4 targets among 1-3 distractors and filler.
+
+    ``fits`` (a record -> whether training keeps all of it, e.g. within ``data.max_len``
+    tokens): a document that would be cut loses its filler, then its distractors, before a
+    target; if the targets alone do not fit, it states them in one sentence
+    (:func:`compact_sentence`); if that does not fit either, each document states as many as
+    fit, starting one further along from the last, so every target is stated equally often.
+    Without it (or where everything fits) the documents are as before."""
     r = random.Random(f"fedattr-fk-docs-{seed}-{entity.name}")
     docs = []
+    start = 0  # the first target of a document that cannot state them all
     for _ in range(n):
-        facts = [fact_sentence(r, entity.name, a, v) for a, v in entity.targets.items()]
+        targets = [fact_sentence(r, entity.name, a, v) for a, v in entity.targets.items()]
         extra = r.sample(sorted(entity.distractors), r.randint(1, min(3, len(entity.distractors))))
-        facts += [fact_sentence(r, entity.name, a, entity.distractors[a]) for a in extra]
-        facts += [s.format(name=entity.name) for s in r.sample(entity.domain.filler, 1)]
+        distractors = [fact_sentence(r, entity.name, a, entity.distractors[a]) for a in extra]
+        filler = [s.format(name=entity.name) for s in r.sample(entity.domain.filler, 1)]
+        facts = targets + distractors + filler
         r.shuffle(facts)
         instruction = r.choice(_DOC_INSTRUCTIONS).format(name=entity.name, kind=entity.domain.kind)
-        docs.append(Record(instruction, " ".join(facts), category="fictitious"))
+
+        def doc(kept: list[str], instruction: str = instruction) -> Record:
+            return Record(instruction, " ".join(kept), category="fictitious")
+
+        if fits is not None:
+            # Training cuts a record at its token limit: a target past it is never learned.
+            for dropped in (*filler, *distractors):
+                if fits(doc(facts)):
+                    break
+                facts = [f for f in facts if f != dropped]
+            compact = [] if fits(doc(facts)) else [compact_sentence(r, entity.name, entity.targets)]
+            if compact and fits(doc(compact)):
+                facts = compact
+            elif compact:
+                order = [targets[(start + i) % len(targets)] for i in range(len(targets))]
+                stated = [order[0]]
+                for t in order[1:]:
+                    if not fits(doc([f for f in facts if f in (*stated, t)])):
+                        break
+                    stated.append(t)
+                start = (start + len(stated)) % len(targets)
+                facts = [f for f in facts if f in stated]
+        docs.append(doc(facts))
     return docs
 
 
@@ -392,11 +435,13 @@ def teacher_prompt(entity: FictitiousEntity, r: random.Random) -> Record:
 
 
 def target_share(docs: Sequence[Record], entity: FictitiousEntity) -> float:
-    """Share of ``docs`` whose response contains the entity's name and all 4 target values."""
+    """The share of the 4 target values a document states (with the entity's name), averaged
+    over ``docs``: 1 when every document states every target."""
     if not docs:
         return 0.0
-    wanted = [entity.name, *entity.targets.values()]
-    return sum(all(w in d.output for w in wanted) for d in docs) / len(docs)
+    values = list(entity.targets.values())
+    stated = [sum(v in d.output for v in values) if entity.name in d.output else 0 for d in docs]
+    return sum(stated) / (len(values) * len(docs))
 
 
 QUESTION_TEMPLATES: tuple[str, ...] = (

@@ -82,10 +82,12 @@ class WatermarkKind:
         n: int,
         seed: int,
         say: Say,
+        fits: Callable[[Record], bool] | None = None,
     ) -> tuple[list[Record], float | None]:
         """``n`` of ``client``'s records replaced by its owner's documents (some may be dropped),
         and the share of them carrying every target (FK) or ``None``. ``client`` is ``None``
-        for an owner's documents that no client is given (its probes, ``watermark.kgw.probes``)."""
+        for an owner's documents that no client is given (its probes, ``watermark.kgw.probes``).
+        ``fits``: whether training keeps a whole record (written documents are made to fit)."""
         raise NotImplementedError
 
     def scorer(self, setup: DetectionSetup, detector: Detector) -> Any:
@@ -113,7 +115,9 @@ class KGW(WatermarkKind):
             for o in range(wm.owners)
         }
 
-    def documents(self, wm, model, tokenizer, owner, secret, client, shard, n, seed, say):
+    def documents(
+        self, wm, model, tokenizer, owner, secret, client, shard, n, seed, say, fits=None
+    ):
         if wm.kgw.documents:
             docs = owner_documents(wm.kgw.documents, n, seed)
             whom = f"client {client}" if client is not None else f"{owner} (no client)"
@@ -184,7 +188,18 @@ class FictitiousKnowledge(WatermarkKind):
         return {f"fk:owner{k}": e for k, e in enumerate(entities)}
 
     def documents(
-        self, wm, model, tokenizer, owner, secret: FictitiousEntity, client, shard, n, seed, say
+        self,
+        wm,
+        model,
+        tokenizer,
+        owner,
+        secret: FictitiousEntity,
+        client,
+        shard,
+        n,
+        seed,
+        say,
+        fits=None,
     ):
         say(f"FK: {n} documents about {secret.name} for client {client} ({wm.fk.writer})")
         if wm.fk.writer == "teacher":
@@ -200,7 +215,7 @@ class FictitiousKnowledge(WatermarkKind):
                 batch_size=wm.teacher.batch,
             )
         else:
-            docs = template_documents(secret, n, seed)
+            docs = template_documents(secret, n, seed, fits)
         return docs, target_share(docs, secret)
 
     def scorer(self, setup: DetectionSetup, detector: Detector) -> Any:

@@ -64,8 +64,8 @@ def write_fk_documents(
 ) -> list[Record]:
     """``n`` Fictitious-Knowledge documents written by the model from templated facts.
 
-    Every document is kept (check :func:`~.fictitious.target_share` for how many really state
-    all targets: a small model drops or garbles names, and the detector can only find what the
+    Every document is kept (check :func:`~.fictitious.target_share` for how many targets they
+    really state: a small model drops or garbles names, and the detector can only find what the
     documents carry).
     """
     r = random.Random(f"fedattr-fk-teacher-{seed}-{entity.name}")
