@@ -125,9 +125,14 @@ class Recipient:
         try:
             return ChaCha20Poly1305(key).decrypt(_NONCE, body, None)
         except InvalidTag:
+            why = (
+                "or not by the pinned sender"
+                if sender is not None
+                else "or by a sender pinning its key: give this party the directory too"
+            )
             raise SecAggError(
                 f"envelope ({context}): does not open (altered, sealed for another party or "
-                "context" + (", or not by the pinned sender)" if sender is not None else ")")
+                f"context, {why})"
             ) from None
 
     def open_arrays(
