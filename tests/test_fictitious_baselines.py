@@ -83,6 +83,19 @@ def test_template_documents_fit_the_token_limit_targets_last_to_go():
     assert not any(v in d.output for d in tight for v in e.distractors.values())
 
 
+def test_fk_has_owners_to_read_at_r_0_and_one_entity_per_watermarked_client():
+    from fedattr.watermarks.registry import WATERMARKS
+
+    fk = WATERMARKS["fk"]
+    for r, owners, expected in ((0, 3, 3), (1, 3, 3), (5, 3, 5)):
+        wm = load(
+            RunConfig, None, ["watermark.kind=fk", f"watermark.r={r}", f"watermark.owners={owners}"]
+        ).watermark
+        assert len(fk.owners(wm, 100, r, [])) == expected
+    with pytest.raises(ValueError, match=r"watermark\.owners: fk has at most 30 owners"):
+        load(RunConfig, None, ["watermark.kind=fk", "watermark.owners=31"])
+
+
 def test_bad_entity_requests_name_the_parameter():
     with pytest.raises(ValueError, match="entities"):
         make_entities(31, seed=0)
@@ -311,8 +324,12 @@ def test_fk_run_with_baselines(tiny_cache, detector):
     )
     result = run_experiment(load(RunConfig, None, sets), progress=lambda _m: None)
     d = result.to_dict()
-    assert {c["statistic"] for c in d["clients"]} == {"fk:owner0"}
+    # One entity per watermarked client, watermark.owners (2) at least: owner 1's facts were
+    # trained on by no one, and are read all the same.
+    assert {c["statistic"] for c in d["clients"]} <= {"fk:owner0", "fk:owner1"}
+    assert set(d["federation"]["entities"]) == {"fk:owner0", "fk:owner1"}
     wm = d["federation"]["watermarked"]
+    assert set(wm.values()) == {"fk:owner0"}
     # At the micro run's 64 tokens a document states some of the targets (each as often).
     assert set(d["federation"]["doc_target_share"]) == {str(c) for c in wm}
     assert all(0.2 < v < 1.0 for v in d["federation"]["doc_target_share"].values())

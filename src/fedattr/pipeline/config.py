@@ -135,6 +135,11 @@ class RunConfig:
                 f"watermark.r: {wm.kind} supports at most {most} watermarked clients "
                 f"(one entity domain each); got {n_wm}"
             )
+        if most is not None and wm.owners > most:
+            raise ValueError(
+                f"watermark.owners: {wm.kind} has at most {most} owners (one entity domain "
+                f"each); got {wm.owners}"
+            )
         if self.data.records < self.fl.K:
             raise ValueError(
                 f"data.records: must be >= fl.K={self.fl.K} (one record per client at least), "

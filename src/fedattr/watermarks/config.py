@@ -177,7 +177,8 @@ class WatermarkConfig:
     """The watermarked clients by id (distinct, in ``0..fl.K-1``) instead of ``r`` drawn by
     seed."""
     owners: int = 3
-    """Corpus owners, each with a secret key; watermarked client k uses owner k mod owners."""
+    """Corpus owners, each with a secret key; watermarked client k uses owner k mod owners (FK:
+    one entity per watermarked client, at least ``owners`` of them)."""
     ratio: float = 0.20
     """Share of a watermarked client's records replaced by its owner's documents (rho_wm)."""
     key_seed: int = 1234

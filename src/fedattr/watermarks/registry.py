@@ -177,14 +177,17 @@ class KGW(WatermarkKind):
 
 
 class FictitiousKnowledge(WatermarkKind):
-    """One fabricated entity per watermarked client, each its own owner, in its own domain."""
+    """One fabricated entity per watermarked client, each its own owner, in its own domain; at
+    least ``watermark.owners`` of them (an owner no client trained on still has facts to read:
+    the level at r = 0)."""
 
     name = "fk"
     max_clients = len(DOMAINS)
 
     def owners(self, wm, vocab_size, n_clients, clean_texts):
         # Its values occur in no clean record.
-        entities = make_entities(n_clients, wm.key_seed, clean_texts, decoys=wm.fk.decoys)
+        n = max(n_clients, wm.owners)
+        entities = make_entities(n, wm.key_seed, clean_texts, decoys=wm.fk.decoys)
         return {f"fk:owner{k}": e for k, e in enumerate(entities)}
 
     def documents(
