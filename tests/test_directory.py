@@ -7,7 +7,7 @@ import pytest
 
 from fedattr.errors import UserError
 from fedattr.secagg.directory import Directory, run_digest
-from fedattr.secagg.envelope import Recipient, seal
+from fedattr.secagg.envelope import Recipient, seal, verify
 from fedattr.secagg.errors import QueryRefused, SecAggError
 
 
@@ -44,9 +44,10 @@ def test_a_key_file_is_private_kept_and_read_back(tmp_path):
 
 
 def _directory(**change):
-    keys = [Recipient().public_key.hex() for _ in range(5)]
+    keys = [Recipient().identity.hex() for _ in range(5)]
     d = {
         "run": run_digest('{"b": 1, "a": [1, 2]}'),
+        "nonce": "ab" * 16,
         "servers": {"A": keys[0], "B": keys[1]},
         "owners": {"0": keys[2]},
         "clients": {"0": keys[3], "1": keys[4]},
@@ -69,15 +70,37 @@ def test_the_directory_reads_back_and_refuses_what_it_does_not_pin(tmp_path):
         d.owner(3, "server A")
     with pytest.raises(QueryRefused, match="gave server B the key"):
         d.expect(bytes(32), d.server("B"), "server B", "owner 0")
+    # The run's nonce binds every envelope context and key signature.
+    assert d.context("sealed/x") == "sealed/x/run=" + "ab" * 16
+    other = Directory.from_dict({**data, "nonce": "cd" * 16})
+    assert other.key_message(1, 0, b"k") != d.key_message(1, 0, b"k")
+
+
+def test_a_key_signature_verifies_only_for_its_signer_round_and_run():
+    alice, eve = Recipient(), Recipient()
+    message = b"fedattr/sa-key/v1/run=x/round=1/client=0/" + bytes(32)
+    signature = alice.sign(message)
+    verify(alice.identity, signature, message, "key")
+    for identity, msg in ((eve.identity, message), (alice.identity, message + b"!")):
+        with pytest.raises(SecAggError, match="key: the signature does not verify"):
+            verify(identity, signature, msg, "key")
+
+
+def test_a_low_order_key_is_refused_in_one_line():
+    with pytest.raises(SecAggError, match="a key of low order; refused"):
+        seal(bytes(32), b"x", "ctx")
+    with pytest.raises(SecAggError, match="a key of low order; refused"):
+        Recipient().open(bytes(32) + bytes(16), "ctx")
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"servers": {"A": "00" * 32}}, "servers must be A and B"),
-        ({"clients": {"0": "abc"}}, "clients.0 must be a public key of 64 hex digits"),
+        ({"servers": {"A": "00" * 64}}, "servers must be A and B"),
+        ({"clients": {"0": "abc"}}, "clients.0 must be a party's public identity, 128 hex"),
         ({"extra": 1}, r"unknown field\(s\) \['extra'\]"),
-        ({"clients": {"0": "11" * 32, "1": "11" * 32}}, "listed for two parties"),
+        ({"clients": {"0": "11" * 64, "1": "11" * 64}}, "listed for two parties"),
+        ({"nonce": "1234"}, "nonce must be 32\\+ hex digits"),
     ],
 )
 def test_a_malformed_directory_is_one_line(change, message):
@@ -93,14 +116,16 @@ def test_keygen_and_directory_write_what_every_party_pins(tmp_path, capsys):
     pytest.importorskip("flwr", reason="the Flower extra is not installed")
     from fedattr.cli import main
     from fedattr.config import load, to_dict
-    from fedattr.pipeline.config import RunConfig, preset_overrides
+    from fedattr.pipeline.config import RunConfig
 
     public = {}
     for party in ("A", "B", "o0", "o1", "o2", *(f"c{i}" for i in range(10))):
         assert main(["flower", "keygen", str(tmp_path / f"{party}.key")]) == 0
         public[party] = capsys.readouterr().out.strip()
-        assert Recipient.load(tmp_path / f"{party}.key").public_key.hex() == public[party]
-    settings = ["--set", "attribution.protocol.mode=sealed"]
+        assert Recipient.load(tmp_path / f"{party}.key").identity.hex() == public[party]
+    run = tmp_path / "run.toml"
+    run.write_text('[attribution.protocol]\nmode = "sealed"\n')
+    settings = ["--config", str(run)]
     keys = ["--server", f"A={public['A']}", "--server", f"B={public['B']}"]
     keys += [a for j in range(3) for a in ("--owner", f"{j}={public[f'o{j}']}")]
     out = tmp_path / "directory.json"
@@ -110,6 +135,9 @@ def test_keygen_and_directory_write_what_every_party_pins(tmp_path, capsys):
     keys += [a for i in range(10) for a in ("--client", f"{i}={public[f'c{i}']}")]
     assert main(["flower", "directory", str(out), *settings, *keys]) == 0
     d = Directory.load(out)
-    assert d.server("A").hex() == public["A"] and d.client(9, "x").hex() == public["c9"]
-    cfg = load(RunConfig, None, [*preset_overrides("tiny"), "attribution.protocol.mode=sealed"])
-    d.check_run(json.dumps(to_dict(cfg)), "x")  # the run the ServerApp will send
+    assert d.servers["A"].hex() == public["A"] and d.client_identity(9, "x").hex() == public["c9"]
+    cfg = load(RunConfig, str(run))  # as the ServerApp reads --run-config config=...
+    d.check_run(json.dumps(to_dict(cfg)), "x")
+    assert Directory.load(out).nonce == d.nonce
+    assert main(["flower", "directory", str(tmp_path / "again.json"), *settings, *keys]) == 0
+    assert Directory.load(tmp_path / "again.json").nonce != d.nonce  # one run, one nonce

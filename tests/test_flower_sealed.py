@@ -4,7 +4,6 @@ envelopes, deals triples and reads the aggregate. The verdict is the in-process 
 server refuses to open one client's share, or a second set of a round's shares."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ from fedattr.flower.records import config  # noqa: E402
 from fedattr.flower.server_app import check_settings, serve  # noqa: E402
 from fedattr.pipeline.config import RunConfig  # noqa: E402
 from fedattr.pipeline.run import run_experiment  # noqa: E402
+from fedattr.secagg.directory import Directory  # noqa: E402
 from fedattr.secagg.envelope import Recipient, seal, seal_arrays  # noqa: E402
 from fedattr.secagg.errors import SecAggError  # noqa: E402
 from test_flower_app import (  # noqa: E402,F401
@@ -270,6 +270,7 @@ def test_a_party_with_a_directory_takes_no_key_and_no_setting_from_the_coordinat
     ctx, reply = registered(server_a)
     key = bytes(reply.content.config_records["fedattr"]["public_key"])
     clients = {c: Recipient.load(n["key-file"]) for c, n in nodes.clients.items()}
+    pinned = Directory.load(server_a["directory"])
 
     def read(senders):
         fields = {
@@ -279,9 +280,8 @@ def test_a_party_with_a_directory_takes_no_key_and_no_setting_from_the_coordinat
             "layout": json.dumps({"names": ["x"], "shapes": [[3]], "dtypes": ["float32"]}),
         }
         for c, sender in senders.items():
-            fields[f"env.{c}"] = seal_arrays(
-                key, {"share": np.full(3, 1.0)}, sealed_nodes.share_context(1, c, "A"), sender
-            )
+            where = pinned.context(sealed_nodes.share_context(1, c, "A"))  # this run's
+            fields[f"env.{c}"] = seal_arrays(key, {"share": np.full(3, 1.0)}, where, sender)
         msg = Message(
             RecordDict({"fedattr": config(fields)}), dst_node_id=7, message_type="query.x"
         )
@@ -296,10 +296,42 @@ def test_a_party_with_a_directory_takes_no_key_and_no_setting_from_the_coordinat
     with pytest.raises(UserError, match=r"holds no taper"):  # the genuine shares open
         read({c: clients[c] for c in range(3)})
 
+    # Nor does it open to the owners with the peer's or an owner's key substituted, or an
+    # owner's key against another owner's part; nothing is recorded for a refused opening.
+    from fedattr.attribution.sealed.parties import expected_keys
+
+    stored = ctx.state.config_records["fedattr.sealed"]
+    mine = sealed_nodes.owner_keys(sealed_nodes._reader_of(stored))
+    names = sorted(mine)
+    owners = [{"name": n, "part": mine[n][0], "cells": 0} for n in names]
+    base = {
+        "last": 1,
+        "clients": [0, 1, 2],
+        "frac_bits": cfg.attribution.sealed.frac_bits,
+        "seed": cfg.attribution.seed,
+        "keys": expected_keys(cfg, len(names)),
+        "phase": 1,
+        "pk.peer": pinned.server("B"),
+        **{f"pk.owner.{j}": pinned.owner(j, "x") for j in range(len(names))},
+    }
+    swapped = [{**o, "part": p["part"]} for o, p in zip(owners, owners[::-1], strict=True)]
+    for change, message in (
+        ({"pk.peer": eve.public_key}, "gave server B the key"),
+        ({"pk.owner.0": eve.public_key}, f"gave owner {names[0]} the key"),
+        ({"owners": json.dumps(swapped)}, "is not an owner of this run reading that part"),
+    ):
+        fields = {**base, "owners": json.dumps(owners), **change}
+        msg = Message(
+            RecordDict({"fedattr": config(fields)}), dst_node_id=7, message_type="query.x"
+        )
+        with pytest.raises(SecAggError, match=message):
+            sealed_nodes.open_owners(msg, ctx)
+    assert "end" not in json.loads((tmp_path / "nodes" / "server-A" / "opened.json").read_text())
+
     # An owner shares its key only to the pinned servers.
     ctx, _ = registered(owner_0, node=8)
-    pins = json.loads(Path(owner_0["directory"]).read_text())["servers"]
-    ask = {"index": 0, "pk.A": eve.public_key, "pk.B": bytes.fromhex(pins["B"])}
+    pins = {s: pinned.server(s) for s in "AB"}
+    ask = {"index": 0, "pk.A": eve.public_key, "pk.B": pins["B"]}
     msg = Message(RecordDict({"fedattr": config(ask)}), dst_node_id=8, message_type="query.x")
     with pytest.raises(SecAggError, match=r"gave server A the key .* directory pins"):
         sealed_nodes.share_key(msg, ctx)
@@ -311,9 +343,35 @@ def test_a_party_with_a_directory_takes_no_key_and_no_setting_from_the_coordinat
         "round": 1,
         "scale": 1.0,
         "participants": [0],
-        "sealed.pk.A": bytes.fromhex(pins["A"]),
+        "sealed.pk.A": pins["A"],
         "sealed.pk.B": eve.public_key,
     }
     msg = Message(RecordDict({"fedattr": config(fields)}), dst_node_id=9, message_type="train")
     with pytest.raises(SecAggError, match="gave share server B the key"):
         client_app(msg, ctx)
+    del fields["sealed.pk.A"], fields["sealed.pk.B"]  # nor trains outside the sealed mode
+    msg = Message(RecordDict({"fedattr": config(fields)}), dst_node_id=9, message_type="train")
+    with pytest.raises(SecAggError, match="names no share servers"):
+        client_app(msg, ctx)
+
+    # A client answers a subset sum only when every member's key carries that member's
+    # signature for the round and run: a coordinator posing as clients 1 and 2 is refused.
+    query = json.dumps([{"id": 0, "members": [0, 1, 2], "coefficients": [1, 1, 1]}])
+
+    def ask_sum(signed):
+        fields = {"round": 1, "queries": query}
+        for c in (0, 1, 2):
+            key = Recipient().public_key
+            fields[f"pk.{c}"] = key
+            if signed.get(c) is not None:
+                message = pinned.key_message(1, c, key)
+                fields[f"sig.{c}"] = signed[c].sign(message)
+        msg = Message(
+            RecordDict({"fedattr": config(fields)}), dst_node_id=9, message_type="query.sa_batch"
+        )
+        return client_app(msg, ctx)
+
+    with pytest.raises(SecAggError, match="client 2's key of round 1 comes unsigned"):
+        ask_sum({0: clients[0], 1: clients[1]})
+    with pytest.raises(SecAggError, match="client 1's key of round 1: the signature does not"):
+        ask_sum({0: clients[0], 1: eve, 2: clients[2]})

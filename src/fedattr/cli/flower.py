@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 
 from ..errors import UserError
-from .common import config_options, default_run_dir, load_run_config, resolve_run_config, say
+from .common import config_options, default_run_dir, resolve_run_config, say
 
 
 def _cmd_flower_local(args: argparse.Namespace) -> int:
@@ -90,8 +91,8 @@ def _cmd_flower_keygen(args: argparse.Namespace) -> int:
 
     key = Recipient()
     path = key.save(args.key_file)
-    say(f"wrote {path} (mode 0600: this party's alone); its public key, for the directory:")
-    print(key.public_key.hex())
+    say(f"wrote {path} (mode 0600: this party's alone); its public identity, for the directory:")
+    print(key.identity.hex())
     return 0
 
 
@@ -107,6 +108,7 @@ def _public_keys(items: list[str], option: str, names: tuple[str, ...] | None) -
             or (names is None and not name.isdigit())
         ):
             raise UserError(f"{option}: NAME=PUBLIC_KEY with NAME {allowed}, got {item!r}")
+        name = name if names is not None else str(int(name))  # 01 and 1 are one party
         if name in keys:
             raise UserError(f"{option}: {name} given twice")
         keys[name] = value
@@ -114,10 +116,13 @@ def _public_keys(items: list[str], option: str, names: tuple[str, ...] | None) -
 
 
 def _cmd_flower_directory(args: argparse.Namespace) -> int:
-    from ..config import to_dict
+    from ..config import load, to_dict
+    from ..pipeline.config import RunConfig
     from ..secagg.directory import SERVERS, Directory, run_digest
 
-    cfg = load_run_config(args, args.preset or "tiny")
+    # The configuration exactly as the ServerApp reads it (--run-config "config='...'"): the
+    # digest every node checks is of that.
+    cfg = load(RunConfig, args.config)
     if cfg.attribution.protocol.mode != "sealed":
         raise UserError(
             "attribution.protocol.mode: a directory serves the sealed mode; allowed: sealed"
@@ -135,14 +140,15 @@ def _cmd_flower_directory(args: argparse.Namespace) -> int:
             f"--owner: the run has {len(wanted)} owners, indices 0..{len(wanted) - 1}, each "
             f"with its key; got {sorted(owners) or 'none'}"
         )
-    missing = sorted(set(range(cfg.fl.K)) - {int(c) for c in clients})
-    if missing:
+    if sorted(int(c) for c in clients) != list(range(cfg.fl.K)):
         raise UserError(
-            f"--client: every client 0..{cfg.fl.K - 1} needs its key; missing {missing}"
+            f"--client: the run has {cfg.fl.K} clients, ids 0..{cfg.fl.K - 1}, each with its "
+            f"key; got {sorted(int(c) for c in clients) or 'none'}"
         )
-    directory = Directory.from_dict(
+    directory = Directory.from_dict(  # checks every identity
         {
             "run": run_digest(json.dumps(to_dict(cfg))),
+            "nonce": secrets.token_hex(16),  # this run's, whatever keys it reuses
             "servers": servers,
             "owners": owners,
             "clients": clients,
@@ -213,8 +219,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="the sealed mode's directory: every party's public key and the run, pinned",
     )
     fd.add_argument("out", metavar="OUT", help="the directory file to write (JSON)")
-    fd.add_argument("--preset", help="tiny (default) or smollm2")
-    config_options(fd, "the run's .json/.toml file, as the ServerApp will read it")
+    fd.add_argument(
+        "--config",
+        required=True,
+        help="the run's .json/.toml file, the one the ServerApp reads (--run-config config=...)",
+    )
     for option, what in (
         ("--server", "A=HEX or B=HEX"),
         ("--owner", "INDEX=HEX (the owner node's owner= setting)"),

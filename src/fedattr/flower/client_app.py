@@ -28,7 +28,7 @@ from ..errors import UserError
 from ..fl.node import LLMClientNode, SyntheticClientNode
 from ..fl.registry import make_strategy
 from ..runtime import set_threads
-from ..secagg.envelope import Recipient, seal_arrays
+from ..secagg.envelope import Recipient, seal_arrays, verify
 from ..secagg.errors import QueryRefused
 from ..secagg.party import MaskingParty
 from ..secagg.sealed import split_update
@@ -94,17 +94,16 @@ def register(msg: Message, context: Context) -> Message:
         reply = sealed_nodes.register(context, role, text)
         return Message(RecordDict({"fedattr": config(reply)}), reply_to=msg)
     client = partition_id(context.node_config)
+    stored: dict[str, Any] = {"command": command, "config": text, "client": client}
+    # Its envelope key and, given a directory, the pinned run and parties: checked first,
+    # whatever the coordinator's configuration says (a directory pins it).
+    stored |= sealed_nodes.identity(
+        context, text, lambda d: d.client_identity(client, f"client {client}")
+    )
     cfg = config_of(command, text)
     cfg.secagg.torch_device()  # this node's masking device: checked here, before any round
     node = _node(command, cfg, client)
     size = node.data_size()
-    stored = {"command": command, "config": text, "client": client}
-    if command == "run" and cfg.attribution.protocol.mode == "sealed":
-        # Its envelope key (and, given a directory, the pinned parties' keys): the shares it
-        # seals are opened only as coming from it.
-        stored |= sealed_nodes.identity(
-            context, text, lambda d: d.client(client, f"client {client}")
-        )
     if isinstance(node, LLMClientNode):
         stored["records"] = json.dumps(node.records_dicts())  # built once per run
     context.state.config_records[_NODE] = config(stored)
@@ -117,8 +116,14 @@ def train(msg: Message, context: Context) -> Message:
     set_threads()
     command, cfg, client, stored = _registered(context)
     rec = msg.content.config_records["fedattr"]
+    directory = sealed_nodes.directory_of(stored)
     if "sealed.pk.A" in rec:
         _sealing_key(rec, stored, client)  # before any training: a substituted key is refused
+    elif directory is not None:
+        raise QueryRefused(
+            f"client {client} refused: its directory pins the sealed mode; this round's message "
+            "names no share servers"
+        )
     round_id, scale = int(rec["round"]), float(rec["scale"])
     participants = [int(c) for c in rec["participants"]]
     records = None
@@ -131,12 +136,19 @@ def train(msg: Message, context: Context) -> Message:
     party = _party(cfg, client, context)
     public_key = party.start_round(round_id, participants, layout.flatten(update))
     _save(context, party)
+    if directory is not None:
+        # Its secure-aggregation key of the round, signed: no client answers a subset sum whose
+        # members' keys the coordinator made up.
+        me = Recipient(bytes(stored["private_key"]))
+        signed = me.sign(directory.key_message(round_id, client, public_key))
     reply = {
         "client": client,
         "public_key": public_key,
         "layout": json.dumps(layout.to_dict()),
         **stats,
     }
+    if directory is not None:
+        reply["sa_signature"] = signed
     if "sealed.pk.A" in rec:
         # The sealed mode: what it submits, split into two reading shares, one sealed to each
         # share server (the coordinator relays them unread). The masks' scale is the client's
@@ -149,7 +161,10 @@ def train(msg: Message, context: Context) -> Message:
             reply[f"sealed.{server}"] = seal_arrays(
                 bytes(rec[f"sealed.pk.{server}"]),
                 {"share": share},
-                sealed_nodes.share_context(round_id, client, server),
+                sealed_nodes.bound(
+                    sealed_nodes.directory_of(stored),
+                    sealed_nodes.share_context(round_id, client, server),
+                ),
                 me,
             )
     return Message(RecordDict({"fedattr": config(reply)}), reply_to=msg)
@@ -183,13 +198,27 @@ def _save(context: Context, party: MaskingParty) -> None:
 @app.query("sa_batch")
 def sa_batch(msg: Message, context: Context) -> Message:
     """Check every query of the batch; answer this client's with masked vectors."""
-    _, cfg, client, _ = _registered(context)
+    _, cfg, client, stored = _registered(context)
     rec = msg.content.config_records["fedattr"]
     batch = QueryBatch(
         int(rec["round"]),
         QueryBatch.queries_from_json(str(rec["queries"])),
         {int(k[3:]): bytes(v) for k, v in rec.items() if k.startswith("pk.")},
     )
+    directory = sealed_nodes.directory_of(stored)
+    if directory is not None:
+        # Every member's key must be the one that member signed for this round and run.
+        for c, key in sorted(batch.public_keys.items()):
+            what = f"client {client} refused: client {c}'s key of round {batch.round}"
+            signature = rec.get(f"sig.{c}")
+            if signature is None:
+                raise QueryRefused(f"{what} comes unsigned")
+            verify(
+                directory.client_identity(c, f"client {client}"),
+                bytes(signature),
+                directory.key_message(batch.round, c, key),
+                what,
+            )
     party = _party(cfg, client, context)
     if _PARTY in context.state.config_records:
         saved = context.state.config_records[_PARTY]

@@ -404,7 +404,7 @@ def _envelope_key(folder: Path, name: str) -> tuple[str, bytes]:
     key = Recipient.load(path) if path.is_file() else Recipient()
     if not path.is_file():
         key.save(path)
-    return str(path.resolve()), key.public_key
+    return str(path.resolve()), key.identity
 
 
 def sealed_nodes(config: Any, work: Path) -> SealedNodes:
@@ -422,13 +422,23 @@ def sealed_nodes(config: Any, work: Path) -> SealedNodes:
     servers = {s: _envelope_key(folder, f"server-{s}") for s in SERVERS}
     owners = {j: _envelope_key(folder, f"owner-{j}") for j in range(sealed_parties(config) - 2)}
     clients = {c: _envelope_key(folder, f"client-{c}") for c in range(config.fl.K)}
-    directory = Directory(
+    directory = Directory.new(
         {s: k for s, (_, k) in servers.items()},
         {j: k for j, (_, k) in owners.items()},
         {c: k for c, (_, k) in clients.items()},
         run_digest(config_json(config)),
     )
-    pinned = {"directory": str(directory.save(folder / "directory.json").resolve())}
+    path = folder / "directory.json"
+    if path.is_file():  # a resumed run keeps its nonce (the same run)
+        kept = Directory.load(path)
+        if (kept.servers, kept.owners, kept.clients, kept.run) == (
+            directory.servers,
+            directory.owners,
+            directory.clients,
+            directory.run,
+        ):
+            directory = kept
+    pinned = {"directory": str(directory.save(path).resolve())}
     parties = [
         {
             "role": "share-server",

@@ -43,6 +43,9 @@ class FlowerLink:
         """Wall time per message type (sending to the last reply)."""
         self.errors: dict[int, str] = {}
         """Node id -> the last line of its last error reply."""
+        self.key_signatures: dict[int, bytes] = {}
+        """Client -> its signature of this round's secure-aggregation key (clients with a
+        directory), relayed with the key in every query."""
 
     def wait_for_nodes(self, count: int, wait: float) -> list[int]:
         """Node ids once ``count`` SuperNodes are connected (at most ``wait`` seconds)."""
@@ -202,6 +205,13 @@ class FlowerLink:
         recipient holding the whole batch."""
         fields: dict[str, Any] = {"round": batch.round, "queries": batch.plan_json()}
         fields.update({f"pk.{c}": key for c, key in batch.public_keys.items()})
+        fields.update(
+            {
+                f"sig.{c}": self.key_signatures[c]
+                for c in batch.public_keys
+                if c in self.key_signatures
+            }
+        )
         contents = {c: RecordDict({"fedattr": config(fields)}) for c in recipients}
         replies = self._exchange("query.sa_batch", str(batch.round), contents)
         out = {}

@@ -66,6 +66,10 @@ class FlowerPool(ClientPool):
                 sa.drop(c)
                 continue
             sa.register(c, bytes(reply["public_key"]), json.loads(str(reply["layout"])))
+            # A client with a directory signs its key; the others check it in every query.
+            self.link.key_signatures.pop(c, None)
+            if "sa_signature" in reply:
+                self.link.key_signatures[c] = bytes(reply["sa_signature"])
             if self.sealed is not None:
                 self.sealed.receive(c, reply)
             if "loss" in reply:

@@ -92,7 +92,7 @@ def identity(context: Context, text: str, pinned: Any) -> dict[str, Any]:
     """This node's envelope key (``key-file``, else a fresh one) and, with ``directory`` in its
     node configuration, the deployment directory, checked: the coordinator's configuration must
     be the pinned run's and this node's key the one the directory lists for it (``pinned``:
-    ``Directory -> bytes``). Returns what the node keeps."""
+    ``Directory -> bytes``, the identity it lists). Returns what the node keeps."""
     node_config = context.node_config
     key_file, where = node_config.get("key-file"), node_config.get("directory")
     me = Recipient.load(str(key_file)) if key_file else Recipient()
@@ -106,9 +106,9 @@ def identity(context: Context, text: str, pinned: Any) -> dict[str, Any]:
         directory = Directory.load(str(where))
         directory.check_run(text, "this node")
         listed = pinned(directory)
-        if me.public_key != listed:
+        if me.identity != listed:
             raise UserError(
-                f"key-file: {str(key_file)!r} holds the key {me.public_key.hex()[:16]}...; the "
+                f"key-file: {str(key_file)!r} holds the key {me.identity.hex()[:16]}...; the "
                 f"directory lists {listed.hex()[:16]}... for this node"
             )
         kept["directory"] = json.dumps(directory.to_dict())
@@ -151,20 +151,22 @@ def register(context: Context, role: str, text: str) -> dict[str, Any]:
         folder = node_config.get("state-dir")
         if not folder:
             raise UserError("state-dir: a share server keeps its running sums on its own disk")
+        # Its identity and the pinned run first: a refused node has done no work.
+        stored |= identity(context, text, lambda d: d.servers[name])
         Path(str(folder)).mkdir(parents=True, exist_ok=True)
         stored["state_dir"] = str(folder)
+    else:
+        raw = node_config.get("owner")
+        try:
+            index = int(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise UserError(f"owner: an owner node's index (0, 1, ...); got {raw!r}") from None
+        stored |= identity(context, text, lambda d: d.owner_identity(index, "this node"))
     documents: dict[str, Any] = {}
     _READERS.pop(text, None)
     reader = _reader(text, documents)
     if role == "owner":
         names = sorted(owner_keys(reader))
-        raw = node_config.get("owner")
-        try:
-            index = int(raw)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise UserError(
-                f"owner: an owner node's index, 0..{len(names) - 1}; got {raw!r}"
-            ) from None
         if not 0 <= index < len(names):
             raise UserError(
                 f"owner: {index} is not an owner of this run; allowed: 0..{len(names) - 1}"
@@ -174,10 +176,6 @@ def register(context: Context, role: str, text: str) -> dict[str, Any]:
         part, G = owner_keys(reader)[name]
         stored |= {"part": part, "owners": len(names)}
         context.state.array_records[_KEY] = arrays({"green": G.numpy().astype(np.uint8)})
-    if role == "share-server":
-        stored |= identity(context, text, lambda d: d.server(name))
-    else:
-        stored |= identity(context, text, lambda d: d.owner(index, f"owner {name}"))
     recipient = Recipient(stored["private_key"])
     laws = {p: [law.m, law.cols] for p, law in reader.key_laws().items()}
     if role == "share-server":  # it reads every round with them; an owner never does
@@ -263,7 +261,8 @@ def read_round(msg: Message, context: Context) -> Message:
     for c in answered:
         envelope = bytes(rec[f"env.{c}"])
         sender = None if directory is None else directory.client(c, who)
-        share = me.open_arrays(envelope, share_context(round_id, c, server.label), sender)["share"]
+        where = bound(directory, share_context(round_id, c, server.label))
+        share = me.open_arrays(envelope, where, sender)["share"]
         server.shares.receive(c, share)
     total = server.shares.total(answered)  # refused below min_members clients
     opened[str(round_id)] = answered
@@ -310,6 +309,7 @@ def open_owners(msg: Message, context: Context) -> Message:
     clients = [int(c) for c in rec["clients"]]
     owners = json.loads(str(rec["owners"]))
     phase = int(rec["phase"])
+    who = f"server {label}"
     # The public parameters of the openings are the run's, not the coordinator's to choose.
     cfg = config_of("run", str(stored["config"]))
     frac, seed = cfg.attribution.sealed.frac_bits, cfg.attribution.seed
@@ -317,38 +317,60 @@ def open_owners(msg: Message, context: Context) -> Message:
     asked = (int(rec["frac_bits"]), int(rec["seed"]), int(rec["keys"]))
     if asked != (frac, seed, n_keys):
         raise QueryRefused(
-            f"server {label} refused: openings at frac_bits, seed, keys = {asked}; the run's "
+            f"{who} refused: openings at frac_bits, seed, keys = {asked}; the run's "
             f"are {(frac, seed, n_keys)}"
         )
     parts = [str(o["part"]) for o in owners]
     if sorted(parts) != sorted(server.laws):
-        raise QueryRefused(
-            f"server {label} refused: owners' parts {parts}; the run's {sorted(server.laws)}"
-        )
+        raise QueryRefused(f"{who} refused: owners' parts {parts}; the run's {sorted(server.laws)}")
     # The owners' openings happen once a run: a second set (other clients, other sums) would
     # open more functionals of the same sums.
     end = {"last": int(rec["last"]), "clients": clients, "parts": parts}
     opened = _opened(folder, stored)
     if opened.get("end", end) != end:
         raise QueryRefused(
-            f"server {label} refused: its sums were opened to the owners once already "
+            f"{who} refused: its sums were opened to the owners once already "
             f"({opened['end']}); a second opening would reveal more of them"
         )
-    # With a directory nothing is sealed to a key, or opened from a sender, it does not list.
-    directory, who = directory_of(stored), f"server {label}"
+    # With a directory nothing is sealed to a key, or opened from a sender, it does not list,
+    # and each owner's key is entered only against that owner's own part.
+    directory = directory_of(stored)
     pins: dict[str, Any] = {"peer": None, "owners": [None] * len(owners)}
     if directory is not None:
         directory.expect(bytes(rec["pk.peer"]), directory.server(peer), f"server {peer}", who)
-        names = sorted(owner_keys(_reader_of(stored)))  # the owners' indices, as it reads them
-        for j, o in enumerate(owners):
-            name = str(o.get("name", ""))
-            if name not in names:
-                raise QueryRefused(f"{who} refused: {name!r} is not an owner of this run")
+        mine_of = owner_keys(_reader_of(stored))
+        names = sorted(mine_of)  # the owners' indices, as it reads them
+        listed = [str(o.get("name", "")) for o in owners]
+        if len(set(listed)) != len(listed):
+            raise QueryRefused(f"{who} refused: an owner listed twice ({listed})")
+        for j, (name, part) in enumerate(zip(listed, parts, strict=True)):
+            if name not in names or mine_of[name][0] != part:
+                raise QueryRefused(
+                    f"{who} refused: owner {name!r} with part {part!r} is not an owner of "
+                    "this run reading that part"
+                )
             pinned = directory.owner(names.index(name), who)
             directory.expect(bytes(rec[f"pk.owner.{j}"]), pinned, f"owner {name}", who)
             pins["owners"][j] = pinned
         pins["peer"] = directory.server(peer)
     sender = me if directory is not None else None
+    # Every envelope opens (from its pinned sender) before anything is recorded: a forged one
+    # costs nothing.
+    keys_in = [
+        me.open_arrays(
+            bytes(rec[f"env.key.{j}"]), bound(directory, key_context(j, label)), pins["owners"][j]
+        )["key"]
+        for j in range(len(parts))
+    ]
+    peers_in = [
+        me.open_arrays(
+            bytes(rec[f"env.peer.{j}"]),
+            bound(directory, opening_context(j, peer, label)),
+            pins["peer"],
+        )
+        for j in range(len(parts))
+        if phase != 1
+    ]
     if "end" not in opened:
         opened["end"] = end
         _record(folder, opened)
@@ -361,42 +383,45 @@ def open_owners(msg: Message, context: Context) -> Message:
         keys = random_keys(n_keys, seed, law, rows)
         (values,) = server_random_values([server], parts, clients, keys)
     for j, part in enumerate(parts):
-        y = me.open_arrays(bytes(rec[f"env.key.{j}"]), key_context(j, label), pins["owners"][j])[
-            "key"
-        ]
         triple = TripleShare(
             torch.from_numpy(triples[f"A.{j}"]),
             torch.from_numpy(triples[f"b.{j}"]),
             torch.from_numpy(triples[f"c.{j}"]),
         )
         X = server.ring_shares(part, clients, frac)
-        party = InnerProductParty(index, X, torch.from_numpy(y), triple)
+        party = InnerProductParty(index, X, torch.from_numpy(keys_in[j]), triple)
         mine = party.opening()
         owner_key = bytes(rec[f"pk.owner.{j}"])
         if phase == 1:
             fields[f"env.open.{j}"] = seal_arrays(
                 bytes(rec["pk.peer"]),
                 {"D": mine[0].numpy(), "e": mine[1].numpy()},
-                opening_context(j, label, peer),
+                bound(directory, opening_context(j, label, peer)),
                 sender,
             )
             fields[f"env.random.{j}"] = seal_arrays(
                 owner_key,
                 {"values": values[j].numpy(), "l1": server.l1(part, clients)},
-                result_context(j, label, "random"),
+                bound(directory, result_context(j, label, "random")),
                 sender,
             )
         else:
-            theirs = me.open_arrays(
-                bytes(rec[f"env.peer.{j}"]), opening_context(j, peer, label), pins["peer"]
-            )
+            theirs = peers_in[j]
             share = party.result(
                 mine, (torch.from_numpy(theirs["D"]), torch.from_numpy(theirs["e"]))
             )
             fields[f"env.result.{j}"] = seal_arrays(
-                owner_key, {"z": share.numpy()}, result_context(j, label, "inner"), sender
+                owner_key,
+                {"z": share.numpy()},
+                bound(directory, result_context(j, label, "inner")),
+                sender,
             )
     return Message(RecordDict({"fedattr": config(fields)}), reply_to=msg)
+
+
+def bound(directory: Directory | None, context: str) -> str:
+    """An envelope context, bound to the run's nonce where the party has a directory."""
+    return context if directory is None else directory.context(context)
 
 
 def key_context(owner: int, server: str) -> str:
@@ -440,7 +465,7 @@ def share_key(msg: Message, context: Context) -> Message:
         fields[f"env.{label}"] = seal_arrays(
             bytes(rec[f"pk.{label}"]),
             {"key": share.numpy()},
-            key_context(index, label),
+            bound(directory, key_context(index, label)),
             None if directory is None else me,
         )
     return Message(RecordDict({"fedattr": config(fields)}), reply_to=msg)
@@ -456,11 +481,19 @@ def verdict(msg: Message, context: Context) -> Message:
     directory = directory_of(stored)
     pins = {s: None if directory is None else directory.server(s) for s in SERVERS}
     inner = [
-        me.open_arrays(bytes(rec[f"env.result.{s}"]), result_context(index, s, "inner"), pins[s])
+        me.open_arrays(
+            bytes(rec[f"env.result.{s}"]),
+            bound(directory, result_context(index, s, "inner")),
+            pins[s],
+        )
         for s in SERVERS
     ]
     random = [
-        me.open_arrays(bytes(rec[f"env.random.{s}"]), result_context(index, s, "random"), pins[s])
+        me.open_arrays(
+            bytes(rec[f"env.random.{s}"]),
+            bound(directory, result_context(index, s, "random")),
+            pins[s],
+        )
         for s in SERVERS
     ]
     clients = [int(c) for c in rec["clients"]]

@@ -8,14 +8,18 @@ directory (``--node-config "directory='deployment.json' key-file='me.key'"``) ta
 from the coordinator: it checks its own key, the run's configuration (a digest) and every key it
 is handed against the directory, and it opens an envelope only from the sender the directory
 names (authenticated envelopes, :mod:`fedattr.secagg.envelope`), so a coordinator posing as
-clients cannot fill a round with shares of its own. It plays the part of a DAP task's
-parameters, provisioned to both aggregators before any report.
+clients cannot fill a round with shares of its own; each client signs its secure-aggregation key
+of a round, and a client answers a subset-sum query only when every member's key carries its
+pinned signature. A random ``nonce`` names the run: every envelope context and signature carries
+it, so nothing of another run (the same keys in another directory) opens or verifies. It plays
+the part of a DAP task's parameters, provisioned to both aggregators before any report.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,26 +37,34 @@ def run_digest(text: str) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+IDENTITY_BYTES = 64
+"""A party's public identity: its envelope (X25519) and signing (Ed25519) public keys."""
+
+
 def _key(raw: Any, where: str) -> bytes:
     try:
         key = bytes.fromhex(str(raw))
     except ValueError:
         key = b""
-    if len(key) != 32:
-        raise UserError(f"directory: {where} must be a public key of 64 hex digits, got {raw!r}")
+    if len(key) != IDENTITY_BYTES:
+        raise UserError(
+            f"directory: {where} must be a party's public identity, {2 * IDENTITY_BYTES} hex "
+            f"digits as 'fedattr flower keygen' prints it; got {raw!r}"
+        )
     return key
 
 
 @dataclass(frozen=True)
 class Directory:
-    """Public keys by party (servers ``A``/``B``; owners by index, as an owner node's
-    ``owner=`` setting numbers them: their names in sorted order; clients by id) and the digest
-    of the run's configuration."""
+    """Public identities by party (servers ``A``/``B``; owners by index, as an owner node's
+    ``owner=`` setting numbers them: their names in sorted order; clients by id), the digest of
+    the run's configuration and the run's nonce."""
 
     servers: Mapping[str, bytes]
     owners: Mapping[int, bytes]
     clients: Mapping[int, bytes]
     run: str
+    nonce: str
 
     def __post_init__(self) -> None:
         if sorted(self.servers) != list(SERVERS):
@@ -64,18 +76,22 @@ class Directory:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Directory:
         """The directory from its JSON form (:meth:`to_dict`)."""
-        unknown = sorted(set(d) - {"servers", "owners", "clients", "run"})
+        unknown = sorted(set(d) - {"servers", "owners", "clients", "run", "nonce"})
         if unknown:
             raise UserError(
-                f"directory: unknown field(s) {unknown}; allowed: servers, owners, clients, run"
+                f"directory: unknown field(s) {unknown}; allowed: servers, owners, clients, "
+                "run, nonce"
             )
         try:
-            run = str(d["run"])
+            run, nonce = str(d["run"]), str(d["nonce"])
+            if len(nonce) < 32 or any(ch not in "0123456789abcdef" for ch in nonce):
+                raise UserError(f"directory: nonce must be 32+ hex digits, got {nonce!r}")
             return cls(
                 {s: _key(k, f"servers.{s}") for s, k in dict(d["servers"]).items()},
                 {int(o): _key(k, f"owners.{o}") for o, k in dict(d.get("owners", {})).items()},
                 {int(c): _key(k, f"clients.{c}") for c, k in dict(d["clients"]).items()},
                 run,
+                nonce,
             )
         except KeyError as exc:
             raise UserError(f"directory: missing field {exc.args[0]!r}") from None
@@ -86,10 +102,22 @@ class Directory:
         """The JSON form every party reads."""
         return {
             "run": self.run,
+            "nonce": self.nonce,
             "servers": {s: k.hex() for s, k in sorted(self.servers.items())},
             "owners": {str(o): k.hex() for o, k in sorted(self.owners.items())},
             "clients": {str(c): k.hex() for c, k in sorted(self.clients.items())},
         }
+
+    @classmethod
+    def new(
+        cls,
+        servers: Mapping[str, bytes],
+        owners: Mapping[int, bytes],
+        clients: Mapping[int, bytes],
+        run: str,
+    ) -> Directory:
+        """A directory for one run: a fresh random nonce names it."""
+        return cls(dict(servers), dict(owners), dict(clients), run, secrets.token_hex(16))
 
     @classmethod
     def load(cls, path: str | Path) -> Directory:
@@ -121,11 +149,15 @@ class Directory:
             )
 
     def server(self, label: str) -> bytes:
-        """Share server ``label``'s key."""
-        return self.servers[label]
+        """Share server ``label``'s envelope key."""
+        return self.servers[label][:32]
 
     def owner(self, index: int, who: str) -> bytes:
-        """Owner ``index``'s key; an owner the directory does not list is refused."""
+        """Owner ``index``'s envelope key; an owner the directory does not list is refused."""
+        return self.owner_identity(index, who)[:32]
+
+    def owner_identity(self, index: int, who: str) -> bytes:
+        """Owner ``index``'s whole identity."""
         if index not in self.owners:
             raise QueryRefused(
                 f"{who} refused: owner {index} is not in its directory "
@@ -134,10 +166,23 @@ class Directory:
         return self.owners[index]
 
     def client(self, client: int, who: str) -> bytes:
-        """Client ``client``'s key; a client the directory does not list is refused."""
+        """Client ``client``'s envelope key; a client the directory does not list is refused."""
+        return self.client_identity(client, who)[:32]
+
+    def client_identity(self, client: int, who: str) -> bytes:
+        """Client ``client``'s whole identity (its signing key too)."""
         if client not in self.clients:
             raise QueryRefused(f"{who} refused: client {client} is not in its directory")
         return self.clients[client]
+
+    def context(self, context: str) -> str:
+        """An envelope context bound to this run (its nonce)."""
+        return f"{context}/run={self.nonce}"
+
+    def key_message(self, round_id: int, client: int, public_key: bytes) -> bytes:
+        """What client ``client`` signs for its secure-aggregation key of ``round_id``."""
+        head = f"fedattr/sa-key/v1/run={self.nonce}/round={round_id}/client={client}/"
+        return head.encode() + bytes(public_key)
 
     def expect(self, given: bytes, pinned: bytes, what: str, who: str) -> None:
         """Refuse a key handed by the coordinator that is not the pinned one."""

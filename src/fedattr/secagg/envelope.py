@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -64,6 +65,22 @@ def _public(raw: bytes, what: str, context: str) -> X25519PublicKey:
     return X25519PublicKey.from_public_bytes(raw)
 
 
+def _exchange(key: X25519PrivateKey, public: X25519PublicKey, context: str) -> bytes:
+    try:
+        return key.exchange(public)
+    except ValueError:  # a low-order point: no shared secret (a forged key)
+        raise SecAggError(f"envelope ({context}): a key of low order; refused") from None
+
+
+def verify(identity: bytes, signature: bytes, message: bytes, what: str) -> None:
+    """Check ``signature`` over ``message`` by the signing half of ``identity`` (see
+    :attr:`Recipient.identity`); a bad one is refused in one line naming ``what``."""
+    try:
+        Ed25519PublicKey.from_public_bytes(identity[32:]).verify(signature, message)
+    except (InvalidSignature, ValueError):
+        raise SecAggError(f"{what}: the signature does not verify under the pinned key") from None
+
+
 class Recipient:
     """A party's envelope key pair (its public key goes to every sender, through the relay)."""
 
@@ -74,6 +91,21 @@ class Recipient:
             else X25519PrivateKey.from_private_bytes(private_key)
         )
         self.public_key = _raw(self._key.public_key())
+        # Its signing key is derived from the same secret: one key file, one identity.
+        seed = HKDF(
+            algorithm=hashes.SHA256(), length=32, salt=_SALT, info=b"fedattr/identity/sign"
+        ).derive(self.private_bytes())
+        self._signer = Ed25519PrivateKey.from_private_bytes(seed)
+        self.identity = self.public_key + self._signer.public_key().public_bytes(
+            Encoding.Raw, PublicFormat.Raw
+        )
+        """The envelope key and the signing key's public halves (64 bytes): what a directory
+        lists for this party."""
+
+    def sign(self, message: bytes) -> bytes:
+        """An Ed25519 signature of ``message`` (checked with :func:`verify` and
+        :attr:`identity`)."""
+        return self._signer.sign(message)
 
     def private_bytes(self) -> bytes:
         """The raw private key (for the party's own storage only)."""
@@ -118,9 +150,9 @@ class Recipient:
         if len(envelope) < 32 + 16:
             raise SecAggError(f"envelope ({context}): {len(envelope)} bytes is too short")
         ephemeral, body = envelope[:32], envelope[32:]
-        secret = self._key.exchange(X25519PublicKey.from_public_bytes(ephemeral))
+        secret = _exchange(self._key, X25519PublicKey.from_public_bytes(ephemeral), context)
         if sender is not None:
-            secret += self._key.exchange(_public(sender, "sender", context))
+            secret += _exchange(self._key, _public(sender, "sender", context), context)
         key = _key(secret, ephemeral, self.public_key, context.encode(), sender)
         try:
             return ChaCha20Poly1305(key).decrypt(_NONCE, body, None)
@@ -152,9 +184,9 @@ def seal(
     ephemeral = X25519PrivateKey.generate()
     public = _raw(ephemeral.public_key())
     theirs = _public(recipient, "recipient", context)
-    secret = ephemeral.exchange(theirs)
+    secret = _exchange(ephemeral, theirs, context)
     if sender is not None:
-        secret += sender._key.exchange(theirs)
+        secret += _exchange(sender._key, theirs, context)
     key = _key(
         secret, public, recipient, context.encode(), None if sender is None else sender.public_key
     )
