@@ -356,9 +356,11 @@ def test_a_party_with_a_directory_takes_no_key_and_no_setting_from_the_coordinat
 
     # A client answers a subset sum only when every member's key carries that member's
     # signature for the round and run: a coordinator posing as clients 1 and 2 is refused.
-    query = json.dumps([{"id": 0, "members": [0, 1, 2], "coefficients": [1, 1, 1]}])
-
-    def ask_sum(signed):
+    def ask_sum(signed, *coefficients):
+        rows = coefficients or ([1, 1, 1],)
+        query = json.dumps(
+            [{"id": i, "members": [0, 1, 2], "coefficients": list(c)} for i, c in enumerate(rows)]
+        )
         fields = {"round": 1, "queries": query}
         for c in (0, 1, 2):
             key = Recipient().public_key
@@ -375,3 +377,13 @@ def test_a_party_with_a_directory_takes_no_key_and_no_setting_from_the_coordinat
         ask_sum({0: clients[0], 1: clients[1]})
     with pytest.raises(SecAggError, match="client 1's key of round 1: the signature does not"):
         ask_sum({0: clients[0], 1: eve, 2: clients[2]})
+    # Signed by all, it still answers one plain sum a round: no weighted sum (which would read
+    # one client alone) and no second sum (whose difference with the first would).
+    signed = {c: clients[c] for c in range(3)}
+    with pytest.raises(SecAggError, match="query 0 is not a plain sum of distinct members"):
+        ask_sum(signed, [1, 0, 0])
+    with pytest.raises(SecAggError, match="a second sum of round 1"):
+        ask_sum(signed, [1, 1, 1], [1, 1, 1])
+    ask_sum(signed)  # the round's one aggregate (this node trained nothing: it has no input)
+    with pytest.raises(SecAggError, match="a second sum of round 1"):
+        ask_sum(signed)

@@ -111,6 +111,16 @@ def test_clients_enforce_their_own_threshold_whatever_the_server_allows():
     assert answer.results is None and "threshold" in answer.error
 
 
+def test_a_client_refuses_a_query_that_lists_a_member_twice():
+    # Members (0, 1, 1) pass a count of 3 but sum two clients: the repeated member is refused.
+    from fedattr.secagg.wire import PlannedQuery, QueryBatch
+
+    remote, transport = _remote(min_members=2, party_min=3)
+    party = transport.parties[0]
+    batch = QueryBatch(party.round, [PlannedQuery(9, (0, 1, 1), (1, 1, 1))], remote.public_keys)
+    assert "listed twice" in party.answer(batch).refused[9]
+
+
 def test_clients_hold_the_release_policy_even_when_the_server_keeps_none():
     # A server that does not enforce the policy (no budget) asks for S(all) then S(all - {0}):
     # the second would expose client 0. Its members refuse; nothing is released.

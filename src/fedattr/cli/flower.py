@@ -105,7 +105,7 @@ def _public_keys(items: list[str], option: str, names: tuple[str, ...] | None) -
         if (
             not sep
             or (names is not None and name not in names)
-            or (names is None and not name.isdigit())
+            or (names is None and not (name.isascii() and name.isdecimal()))
         ):
             raise UserError(f"{option}: NAME=PUBLIC_KEY with NAME {allowed}, got {item!r}")
         name = name if names is not None else str(int(name))  # 01 and 1 are one party

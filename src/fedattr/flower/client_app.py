@@ -40,6 +40,7 @@ from .records import arrays, config, config_of, record_state, unarrays
 app = ClientApp()
 
 _NODE, _PARTY, _UPDATE = "fedattr.node", "fedattr.party", "fedattr.update"
+_ANSWERED = "fedattr.sa_answered"  # rounds a client with a directory answered a sum of
 
 
 def partition_id(node_config: Any) -> int:
@@ -218,6 +219,28 @@ def sa_batch(msg: Message, context: Context) -> Message:
                 bytes(signature),
                 directory.key_message(batch.round, c, key),
                 what,
+            )
+        # The sealed mode asks one sum a round, the aggregate: a weighted sum, a member listed
+        # twice or a second sum of the round (whose difference with the first would isolate a
+        # client) is refused.
+        mine = [q for q in batch.queries if client in q.members]
+        # Kept apart from the registration, which a coordinator could send again.
+        record = context.state.config_records.get(_ANSWERED)
+        answered = json.loads(str(record["rounds"])) if record is not None else []
+        for q in mine:
+            if set(q.coefficients) != {1} or len(set(q.members)) != len(q.members):
+                raise QueryRefused(
+                    f"client {client} refused: query {q.query_id} is not a plain sum of distinct "
+                    "members (its directory pins the sealed mode: one aggregate a round)"
+                )
+        if len(mine) > 1 or (mine and batch.round in answered):
+            raise QueryRefused(
+                f"client {client} refused: a second sum of round {batch.round} (its directory "
+                "pins the sealed mode: one aggregate a round)"
+            )
+        if mine:
+            context.state.config_records[_ANSWERED] = config(
+                {"rounds": json.dumps([*answered, batch.round])}
             )
     party = _party(cfg, client, context)
     if _PARTY in context.state.config_records:

@@ -430,7 +430,10 @@ def sealed_nodes(config: Any, work: Path) -> SealedNodes:
     )
     path = folder / "directory.json"
     if path.is_file():  # a resumed run keeps its nonce (the same run)
-        kept = Directory.load(path)
+        try:
+            kept = Directory.load(path)
+        except UserError:  # written by an earlier version: a new one
+            kept = directory
         if (kept.servers, kept.owners, kept.clients, kept.run) == (
             directory.servers,
             directory.owners,

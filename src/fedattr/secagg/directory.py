@@ -95,6 +95,8 @@ class Directory:
             )
         except KeyError as exc:
             raise UserError(f"directory: missing field {exc.args[0]!r}") from None
+        except UserError:
+            raise
         except (TypeError, ValueError) as exc:
             raise UserError(f"directory: malformed ({exc})") from None
 
@@ -141,7 +143,12 @@ class Directory:
 
     def check_run(self, text: str, who: str) -> None:
         """Refuse a configuration other than the pinned run's."""
-        digest = run_digest(text)
+        try:
+            digest = run_digest(text)
+        except json.JSONDecodeError:
+            raise QueryRefused(
+                f"{who} refused: the coordinator's configuration is not JSON"
+            ) from None
         if digest != self.run:
             raise QueryRefused(
                 f"{who} refused: the coordinator's configuration (sha256 {digest[:16]}...) is "

@@ -76,6 +76,8 @@ class MaskingParty:
 
     def _reason(self, query: PlannedQuery) -> str | None:
         """Why this client refuses ``query`` (``None``: admitted), recording it if admitted."""
+        if len(set(query.members)) != len(query.members):
+            return f"a member is listed twice in {list(query.members)}"
         if len(query.members) < self.min_members:
             return (
                 f"subset size {len(query.members)} is below this client's threshold "
