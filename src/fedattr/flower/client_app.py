@@ -137,11 +137,6 @@ def train(msg: Message, context: Context) -> Message:
     party = _party(cfg, client, context)
     public_key = party.start_round(round_id, participants, layout.flatten(update))
     _save(context, party)
-    if directory is not None:
-        # Its secure-aggregation key of the round, signed: no client answers a subset sum whose
-        # members' keys the coordinator made up.
-        me = Recipient(bytes(stored["private_key"]))
-        signed = me.sign(directory.key_message(round_id, client, public_key))
     reply = {
         "client": client,
         "public_key": public_key,
@@ -149,7 +144,10 @@ def train(msg: Message, context: Context) -> Message:
         **stats,
     }
     if directory is not None:
-        reply["sa_signature"] = signed
+        # Its secure-aggregation key of the round, signed: no client answers a subset sum whose
+        # members' keys the coordinator made up.
+        me = Recipient(bytes(stored["private_key"]))
+        reply["sa_signature"] = me.sign(directory.key_message(round_id, client, public_key))
     if "sealed.pk.A" in rec:
         # The sealed mode: what it submits, split into two reading shares, one sealed to each
         # share server (the coordinator relays them unread). The masks' scale is the client's

@@ -120,8 +120,12 @@ class Recipient:
             raise UserError(f"key file: {str(p)!r} exists; a key is never overwritten") from None
         except OSError as exc:
             raise not_writable(p.parent, "key file", exc) from None
-        with os.fdopen(fd, "w") as f:
-            f.write(self.private_bytes().hex() + "\n")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.private_bytes().hex() + "\n")
+        except OSError as exc:  # no half-written key left behind
+            p.unlink(missing_ok=True)
+            raise not_writable(p.parent, "key file", exc) from None
         os.chmod(p, 0o600)  # whatever the umask
         return p
 
