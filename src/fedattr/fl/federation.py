@@ -57,9 +57,11 @@ class Federation:
             out["owner_documents"] = {o: len(d) for o, d in self.owner_docs.items()}
         if self.doc_target_share:
             out["doc_target_share"] = {str(c): v for c, v in self.doc_target_share.items()}
-            out["entities"] = {
-                o: e.to_dict() for o, e in self.owners.items() if isinstance(e, FictitiousEntity)
-            }
+        entities = {
+            o: e.to_dict() for o, e in self.owners.items() if isinstance(e, FictitiousEntity)
+        }
+        if entities:  # FK's owners, those no client trained on (r = 0) too
+            out["entities"] = entities
         return out
 
 
