@@ -28,6 +28,7 @@ from ..errors import UserError
 from ..fl.node import LLMClientNode, SyntheticClientNode
 from ..fl.registry import make_strategy
 from ..runtime import set_threads
+from ..secagg.directory import Directory
 from ..secagg.envelope import Recipient, seal_arrays, verify
 from ..secagg.errors import QueryRefused
 from ..secagg.party import MaskingParty
@@ -118,8 +119,10 @@ def train(msg: Message, context: Context) -> Message:
     command, cfg, client, stored = _registered(context)
     rec = msg.content.config_records["fedattr"]
     directory = sealed_nodes.directory_of(stored)
+    sealer = None
     if "sealed.pk.A" in rec:
-        _sealing_key(rec, stored, client)  # before any training: a substituted key is refused
+        # Before any training: a substituted key is refused.
+        sealer = _sealing_key(rec, directory, stored, client)
     elif directory is not None:
         raise QueryRefused(
             f"client {client} refused: its directory pins the sealed mode; this round's message "
@@ -152,7 +155,6 @@ def train(msg: Message, context: Context) -> Message:
         # The sealed mode: what it submits, split into two reading shares, one sealed to each
         # share server (the coordinator relays them unread). The masks' scale is the client's
         # own reading of the run's settings, not the coordinator's to choose.
-        me = _sealing_key(rec, stored, client)
         strategy, _ = make_strategy(cfg.fl, cfg.lora)
         sd = mask_sd(cfg.attribution.sealed.mask_scale, strategy.scoring_params(state))
         shares = split_update(layout.flatten(update), sd)
@@ -160,22 +162,20 @@ def train(msg: Message, context: Context) -> Message:
             reply[f"sealed.{server}"] = seal_arrays(
                 bytes(rec[f"sealed.pk.{server}"]),
                 {"share": share},
-                sealed_nodes.bound(
-                    sealed_nodes.directory_of(stored),
-                    sealed_nodes.share_context(round_id, client, server),
-                ),
-                me,
+                sealed_nodes.bound(directory, sealed_nodes.share_context(round_id, client, server)),
+                sealer,
             )
     return Message(RecordDict({"fedattr": config(reply)}), reply_to=msg)
 
 
-def _sealing_key(rec: Any, stored: ConfigRecord, client: int) -> Recipient | None:
+def _sealing_key(
+    rec: Any, directory: Directory | None, stored: ConfigRecord, client: int
+) -> Recipient | None:
     """The sealed mode: check the share servers' keys the coordinator handed out (distinct; with
     a directory, the pinned ones) and return the key this client seals its shares with (None:
     no directory, unauthenticated envelopes)."""
     if bytes(rec["sealed.pk.A"]) == bytes(rec["sealed.pk.B"]):
         raise QueryRefused("sealed: share servers A and B were given one key; refused")
-    directory = sealed_nodes.directory_of(stored)
     if directory is None:
         return None
     for server in sealed_nodes.SERVERS:
