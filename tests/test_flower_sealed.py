@@ -4,6 +4,7 @@ envelopes, deals triples and reads the aggregate. The verdict is the in-process 
 server refuses to open one client's share, or a second set of a round's shares."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from conftest import sealed_overrides, small_overrides  # noqa: E402
 from fedattr.config import load  # noqa: E402
 from fedattr.errors import UserError  # noqa: E402
 from fedattr.flower import sealed_nodes  # noqa: E402
+from fedattr.flower.client_app import answered_ledger  # noqa: E402
 from fedattr.flower.client_app import app as client_app  # noqa: E402
 from fedattr.flower.launch import sealed_nodes as launch_nodes  # noqa: E402
 from fedattr.flower.records import config  # noqa: E402
@@ -336,8 +338,11 @@ def test_a_party_with_a_directory_takes_no_key_and_no_setting_from_the_coordinat
     with pytest.raises(SecAggError, match=r"gave server A the key .* directory pins"):
         sealed_nodes.share_key(msg, ctx)
 
-    # A client seals its shares only to the pinned servers: refused before it trains.
+    # A client with a directory keeps the rounds it answered on its own disk.
     client = {"partition-id": 0, **nodes.clients[0]}
+    with pytest.raises(UserError, match="state-dir: client 0 has a directory"):
+        registered({k: v for k, v in client.items() if k != "state-dir"}, node=9)
+    # A client seals its shares only to the pinned servers: refused before it trains.
     ctx, _ = registered(client, node=9)
     fields = {
         "round": 1,
@@ -387,3 +392,13 @@ def test_a_party_with_a_directory_takes_no_key_and_no_setting_from_the_coordinat
     ask_sum(signed)  # the round's one aggregate (this node trained nothing: it has no input)
     with pytest.raises(SecAggError, match="a second sum of round 1"):
         ask_sum(signed)
+    # Nor after a registration sent again, nor in the run started again as a new Flower run
+    # (a fresh node state): the ledger is on the client's disk, per run nonce.
+    registered(client, node=9)
+    with pytest.raises(SecAggError, match="a second sum of round 1"):
+        ask_sum(signed)
+    ctx, _ = registered(client, node=9)
+    with pytest.raises(SecAggError, match="a second sum of round 1"):
+        ask_sum(signed)
+    ledger = json.loads(answered_ledger(Path(client["state-dir"]), pinned.nonce).read_text())
+    assert ledger == {"run": pinned.nonce, "rounds": [1]}

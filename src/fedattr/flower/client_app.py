@@ -17,6 +17,8 @@ client id, required) and ``min-members`` (the client's own SA threshold; the run
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
@@ -41,7 +43,6 @@ from .records import arrays, config, config_of, record_state, unarrays
 app = ClientApp()
 
 _NODE, _PARTY, _UPDATE = "fedattr.node", "fedattr.party", "fedattr.update"
-_ANSWERED = "fedattr.sa_answered"  # rounds a client with a directory answered a sum of
 
 
 def partition_id(node_config: Any) -> int:
@@ -102,6 +103,17 @@ def register(msg: Message, context: Context) -> Message:
     stored |= sealed_nodes.identity(
         context, text, lambda d: d.client_identity(client, f"client {client}")
     )
+    if stored["directory"]:
+        # The rounds it answered outlive the Flower run: a coordinator that starts the run again
+        # (the same directory, the same updates trained again) gets no second sum of a round.
+        folder = context.node_config.get("state-dir")
+        if not folder:
+            raise UserError(
+                f"state-dir: client {client} has a directory, so it keeps the rounds it "
+                "answered on its own disk (--node-config \"... state-dir='...'\")"
+            )
+        Path(str(folder)).mkdir(parents=True, exist_ok=True)
+        stored["state_dir"] = str(folder)
     cfg = config_of(command, text)
     cfg.secagg.torch_device()  # this node's masking device: checked here, before any round
     node = _node(command, cfg, client)
@@ -188,6 +200,19 @@ def _sealing_key(
     return Recipient(bytes(stored["private_key"]))
 
 
+def answered_ledger(folder: Path, nonce: str) -> Path:
+    """The file listing the rounds a client with a directory answered a sum of, in run
+    ``nonce`` (one file a run, so one state folder serves several runs)."""
+    return folder / f"answered-{nonce[:32]}.json"
+
+
+def _write_whole(path: Path, value: dict) -> None:
+    """Write ``path`` whole or not at all (a crash leaves the previous file)."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(value))
+    os.replace(temporary, path)
+
+
 def _save(context: Context, party: MaskingParty) -> None:
     meta, private_key, flat = party.state()
     context.state.config_records[_PARTY] = config({"meta": meta, "private_key": private_key})
@@ -222,9 +247,10 @@ def sa_batch(msg: Message, context: Context) -> Message:
         # twice or a second sum of the round (whose difference with the first would isolate a
         # client) is refused.
         mine = [q for q in batch.queries if client in q.members]
-        # Kept apart from the registration, which a coordinator could send again.
-        record = context.state.config_records.get(_ANSWERED)
-        answered = json.loads(str(record["rounds"])) if record is not None else []
+        # On the client's own disk, per run (the directory's nonce): neither a registration
+        # sent again nor the run started again as a new Flower run forgets them.
+        ledger = answered_ledger(Path(str(stored["state_dir"])), directory.nonce)
+        answered = json.loads(ledger.read_text())["rounds"] if ledger.is_file() else []
         for q in mine:
             if set(q.coefficients) != {1} or len(set(q.members)) != len(q.members):
                 raise QueryRefused(
@@ -236,10 +262,8 @@ def sa_batch(msg: Message, context: Context) -> Message:
                 f"client {client} refused: a second sum of round {batch.round} (its directory "
                 "pins the sealed mode: one aggregate a round)"
             )
-        if mine:
-            context.state.config_records[_ANSWERED] = config(
-                {"rounds": json.dumps([*answered, batch.round])}
-            )
+        if mine:  # recorded before it answers: a crash after this costs the round, never leaks
+            _write_whole(ledger, {"run": directory.nonce, "rounds": [*answered, batch.round]})
     party = _party(cfg, client, context)
     if _PARTY in context.state.config_records:
         saved = context.state.config_records[_PARTY]

@@ -455,8 +455,13 @@ def sealed_nodes(config: Any, work: Path) -> SealedNodes:
     parties += [
         {"role": "owner", "owner": j, "key-file": path, **pinned} for j, (path, _) in owners.items()
     ]
+    # Each client keeps the rounds it answered in a folder of its own (its ledger).
     return SealedNodes(
-        parties, {c: {"key-file": path, **pinned} for c, (path, _) in clients.items()}
+        parties,
+        {
+            c: {"key-file": path, "state-dir": str((work / f"client-{c}").resolve()), **pinned}
+            for c, (path, _) in clients.items()
+        },
     )
 
 
