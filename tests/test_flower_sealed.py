@@ -21,7 +21,6 @@ from conftest import sealed_overrides, small_overrides  # noqa: E402
 from fedattr.config import load  # noqa: E402
 from fedattr.errors import UserError  # noqa: E402
 from fedattr.flower import sealed_nodes  # noqa: E402
-from fedattr.flower.client_app import answered_ledger  # noqa: E402
 from fedattr.flower.client_app import app as client_app  # noqa: E402
 from fedattr.flower.launch import sealed_nodes as launch_nodes  # noqa: E402
 from fedattr.flower.records import config  # noqa: E402
@@ -29,7 +28,7 @@ from fedattr.flower.server_app import check_settings, serve  # noqa: E402
 from fedattr.pipeline.config import RunConfig  # noqa: E402
 from fedattr.pipeline.run import run_experiment  # noqa: E402
 from fedattr.secagg.directory import Directory  # noqa: E402
-from fedattr.secagg.envelope import Recipient, seal, seal_arrays  # noqa: E402
+from fedattr.secagg.envelope import Recipient, seal, seal_arrays, verify  # noqa: E402
 from fedattr.secagg.errors import SecAggError  # noqa: E402
 from test_flower_app import (  # noqa: E402,F401
     LocalGrid,
@@ -338,67 +337,142 @@ def test_a_party_with_a_directory_takes_no_key_and_no_setting_from_the_coordinat
     with pytest.raises(SecAggError, match=r"gave server A the key .* directory pins"):
         sealed_nodes.share_key(msg, ctx)
 
-    # A client with a directory keeps the rounds it answered on its own disk.
+
+def _register(node_config, text, node, ctx=None):
+    """A ``register`` message to a node (a fresh node state unless ``ctx`` is given)."""
+    ctx = ctx or Context(1, node, dict(node_config), RecordDict(), {})
+    msg = Message(
+        RecordDict({"fedattr": config({"command": "run", "config": text})}),
+        dst_node_id=node,
+        message_type="query.register",
+    )
+    return ctx, client_app(msg, ctx)
+
+
+def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
+    tiny_cache, tmp_path
+):
+    from fedattr.flower import client_app as client_module
+    from fedattr.flower.pinned_client import Ledger
+    from fedattr.flower.records import config_json
+
+    cfg = _sealed_cfg(tiny_cache)
+    nodes = launch_nodes(cfg, tmp_path / "nodes")
+    run = config_json(cfg)
+    pinned = Directory.load(nodes.clients[0]["directory"])
+    clients = {c: Recipient.load(n["key-file"]) for c, n in nodes.clients.items()}
+    pins = {s: pinned.server(s) for s in "AB"}
+    eve = Recipient()
+
+    # It keeps the rounds it answered on its own disk: no state-dir, no registration.
     client = {"partition-id": 0, **nodes.clients[0]}
     with pytest.raises(UserError, match="state-dir: client 0 has a directory"):
-        registered({k: v for k, v in client.items() if k != "state-dir"}, node=9)
-    # A client seals its shares only to the pinned servers: refused before it trains.
-    ctx, _ = registered(client, node=9)
-    fields = {
-        "round": 1,
-        "scale": 1.0,
-        "participants": [0],
-        "sealed.pk.A": pins["A"],
-        "sealed.pk.B": eve.public_key,
-    }
-    msg = Message(RecordDict({"fedattr": config(fields)}), dst_node_id=9, message_type="train")
+        _register({k: v for k, v in client.items() if k != "state-dir"}, run, 9)
+    ctx, reply = _register(client, run, 9)
+    registered = reply.content.config_records["fedattr"]
+    size = int(registered["size"])
+    assert size > 0  # and it signs its data size for the run
+    signature = bytes(registered["size_signature"])
+    verify(clients[0].identity, signature, pinned.size_message(0, size), "size")
+
+    def train(**changes):
+        fields = {
+            "round": 1,
+            "scale": 1.0,
+            "participants": [0],
+            "sealed.pk.A": pins["A"],
+            "sealed.pk.B": pins["B"],
+            "size.0": size,
+            "size_sig.0": signature,
+        }
+        fields.update(changes)
+        fields = {k: v for k, v in fields.items() if v is not None}
+        msg = Message(RecordDict({"fedattr": config(fields)}), dst_node_id=9, message_type="train")
+        return client_app(msg, ctx)
+
+    # It seals its shares only to the pinned servers and trains only in the sealed mode.
     with pytest.raises(SecAggError, match="gave share server B the key"):
-        client_app(msg, ctx)
-    del fields["sealed.pk.A"], fields["sealed.pk.B"]  # nor trains outside the sealed mode
-    msg = Message(RecordDict({"fedattr": config(fields)}), dst_node_id=9, message_type="train")
+        train(**{"sealed.pk.B": eve.public_key})
     with pytest.raises(SecAggError, match="names no share servers"):
-        client_app(msg, ctx)
+        train(**{"sealed.pk.A": None, "sealed.pk.B": None})
+    # Its scale is the one the participants' signed data sizes give: a coordinator that scaled
+    # the other members to zero (reading one client from a plain sum) is refused, and so is a
+    # size it did not sign, or a size that is not its own, or a round the run does not have.
+    with pytest.raises(SecAggError, match="client 0's data size comes unsigned"):
+        train(**{"size_sig.0": None})
+    with pytest.raises(SecAggError, match=r"gives it the scale 0\.5; .* give 1\.0"):
+        train(scale=0.5)
+    with pytest.raises(SecAggError, match="client 1's data size comes unsigned"):
+        train(scale=2 * size / (size + 7), participants=[0, 1], **{"size.1": 7})
+    with pytest.raises(SecAggError, match="client 1's data size: the signature does not"):
+        train(participants=[0, 1], **{"size.1": 7, "size_sig.1": eve.sign(b"x")})
+    forged = clients[0].sign(pinned.size_message(0, size + 1))
+    with pytest.raises(SecAggError, match="gives its data size as"):
+        train(**{"size.0": size + 1, "size_sig.0": forged})
+    with pytest.raises(SecAggError, match="round 99 is not a round of this run"):
+        train(round=99)
 
     # A client answers a subset sum only when every member's key carries that member's
     # signature for the round and run: a coordinator posing as clients 1 and 2 is refused.
-    def ask_sum(signed, *coefficients):
-        rows = coefficients or ([1, 1, 1],)
+    def hold(ctx, flat):  # what train leaves in the node state (the round's scaled update)
+        party = client_module._party(cfg, 0, ctx)
+        party.start_round(1, [0, 1, 2, 3], flat)
+        client_module._save(ctx, party)
+
+    def ask_sum(signed, *rows, members=(0, 1, 2), round_id=1):
+        rows = rows or ([1] * len(members),)
         query = json.dumps(
-            [{"id": i, "members": [0, 1, 2], "coefficients": list(c)} for i, c in enumerate(rows)]
+            [
+                {"id": i, "members": list(members), "coefficients": list(c)}
+                for i, c in enumerate(rows)
+            ]
         )
-        fields = {"round": 1, "queries": query}
-        for c in (0, 1, 2):
+        fields = {"round": round_id, "queries": query}
+        for c in members:
             key = Recipient().public_key
             fields[f"pk.{c}"] = key
             if signed.get(c) is not None:
-                message = pinned.key_message(1, c, key)
-                fields[f"sig.{c}"] = signed[c].sign(message)
+                fields[f"sig.{c}"] = signed[c].sign(pinned.key_message(round_id, c, key))
         msg = Message(
             RecordDict({"fedattr": config(fields)}), dst_node_id=9, message_type="query.sa_batch"
         )
-        return client_app(msg, ctx)
+        reply = client_app(msg, ctx)
+        return json.loads(str(reply.content.config_records["fedattr"]["refused"]))
 
+    update = np.linspace(-1.0, 1.0, 5)
+    hold(ctx, update)
     with pytest.raises(SecAggError, match="client 2's key of round 1 comes unsigned"):
         ask_sum({0: clients[0], 1: clients[1]})
     with pytest.raises(SecAggError, match="client 1's key of round 1: the signature does not"):
         ask_sum({0: clients[0], 1: eve, 2: clients[2]})
     # Signed by all, it still answers one plain sum a round: no weighted sum (which would read
     # one client alone) and no second sum (whose difference with the first would).
-    signed = {c: clients[c] for c in range(3)}
+    signed = {c: clients[c] for c in range(4)}
     with pytest.raises(SecAggError, match="query 0 is not a plain sum of distinct members"):
         ask_sum(signed, [1, 0, 0])
     with pytest.raises(SecAggError, match="a second sum of round 1"):
         ask_sum(signed, [1, 1, 1], [1, 1, 1])
-    ask_sum(signed)  # the round's one aggregate (this node trained nothing: it has no input)
+    with pytest.raises(SecAggError, match="round 0 is not a round of this run"):
+        ask_sum(signed, round_id=0)
+    ledger = Ledger(Path(client["state-dir"]), pinned.nonce)
+    assert ledger.read() == {}  # nothing answered: no round spent
+    assert ask_sum(signed) == {}  # the round's one aggregate
     with pytest.raises(SecAggError, match="a second sum of round 1"):
-        ask_sum(signed)
+        ask_sum(signed, members=(0, 1, 3))
+    assert ask_sum(signed) == {}  # the same sum again (a resumed run): nothing new
     # Nor after a registration sent again, nor in the run started again as a new Flower run
     # (a fresh node state): the ledger is on the client's disk, per run nonce.
-    registered(client, node=9)
+    _register(client, run, 9, ctx)
+    hold(ctx, update)
+    with pytest.raises(SecAggError, match="a second sum of round 1"):
+        ask_sum(signed, members=(0, 1, 3))
+    ctx, _ = _register(client, run, 9)
+    hold(ctx, update + 1e-9)  # the same round trained from another state: refused
     with pytest.raises(SecAggError, match="a second sum of round 1"):
         ask_sum(signed)
-    ctx, _ = registered(client, node=9)
-    with pytest.raises(SecAggError, match="a second sum of round 1"):
+    assert list(ledger.read()) == [1]
+    assert ledger.read()[1]["members"] == [0, 1, 2]
+    # A garbled ledger is refused in one line, never read as empty.
+    ledger.path.write_text('{"run": "' + pinned.nonce + '", "rounds": ["1"]}')
+    with pytest.raises(UserError, match="is not a readable ledger of this run"):
         ask_sum(signed)
-    ledger = json.loads(answered_ledger(Path(client["state-dir"]), pinned.nonce).read_text())
-    assert ledger == {"run": pinned.nonce, "rounds": [1]}

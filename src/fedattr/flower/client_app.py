@@ -17,7 +17,6 @@ client id, required) and ``min-members`` (the client's own SA threshold; the run
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from ..secagg.party import MaskingParty
 from ..secagg.sealed import split_update
 from ..secagg.wire import QueryBatch
 from ..updates import UpdateLayout
-from . import sealed_nodes
+from . import pinned_client, sealed_nodes
 from .records import arrays, config, config_of, record_state, unarrays
 
 app = ClientApp()
@@ -112,7 +111,8 @@ def register(msg: Message, context: Context) -> Message:
                 f"state-dir: client {client} has a directory, so it keeps the rounds it "
                 "answered on its own disk (--node-config \"... state-dir='...'\")"
             )
-        Path(str(folder)).mkdir(parents=True, exist_ok=True)
+        folder = Path(str(folder)).resolve()
+        folder.mkdir(parents=True, exist_ok=True)
         stored["state_dir"] = str(folder)
     cfg = config_of(command, text)
     cfg.secagg.torch_device()  # this node's masking device: checked here, before any round
@@ -121,7 +121,12 @@ def register(msg: Message, context: Context) -> Message:
     if isinstance(node, LLMClientNode):
         stored["records"] = json.dumps(node.records_dicts())  # built once per run
     context.state.config_records[_NODE] = config(stored)
-    return Message(RecordDict({"fedattr": config({"client": client, "size": size})}), reply_to=msg)
+    reply: dict[str, Any] = {"client": client, "size": size}
+    directory = sealed_nodes.directory_of(stored)
+    if directory is not None:  # its FedAvg weight, signed: the coordinator cannot rescale it
+        me = Recipient(bytes(stored["private_key"]))
+        reply["size_signature"] = pinned_client.size_signature(me, directory, client, size)
+    return Message(RecordDict({"fedattr": config(reply)}), reply_to=msg)
 
 
 @app.train()
@@ -146,6 +151,9 @@ def train(msg: Message, context: Context) -> Message:
     if "records" in stored:
         records = [Record(**r) for r in json.loads(str(stored["records"]))]
     node = _node(command, cfg, client, records)
+    if directory is not None:  # before any training
+        pinned_client.check_round(directory, round_id, cfg.fl.rounds, client)
+        pinned_client.check_train(rec, directory, client, node.data_size(), participants, scale)
     state = record_state(msg.content.array_records["state"]) if command == "run" else None
     update, stats = node.train(round_id, state, scale)
     layout = UpdateLayout.of(update)
@@ -200,19 +208,6 @@ def _sealing_key(
     return Recipient(bytes(stored["private_key"]))
 
 
-def answered_ledger(folder: Path, nonce: str) -> Path:
-    """The file listing the rounds a client with a directory answered a sum of, in run
-    ``nonce`` (one file a run, so one state folder serves several runs)."""
-    return folder / f"answered-{nonce[:32]}.json"
-
-
-def _write_whole(path: Path, value: dict) -> None:
-    """Write ``path`` whole or not at all (a crash leaves the previous file)."""
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value))
-    os.replace(temporary, path)
-
-
 def _save(context: Context, party: MaskingParty) -> None:
     meta, private_key, flat = party.state()
     context.state.config_records[_PARTY] = config({"meta": meta, "private_key": private_key})
@@ -230,7 +225,9 @@ def sa_batch(msg: Message, context: Context) -> Message:
         {int(k[3:]): bytes(v) for k, v in rec.items() if k.startswith("pk.")},
     )
     directory = sealed_nodes.directory_of(stored)
+    mine = [q for q in batch.queries if client in q.members]
     if directory is not None:
+        pinned_client.check_round(directory, batch.round, cfg.fl.rounds, client)
         # Every member's key must be the one that member signed for this round and run.
         for c, key in sorted(batch.public_keys.items()):
             what = f"client {client} refused: client {c}'s key of round {batch.round}"
@@ -246,30 +243,37 @@ def sa_batch(msg: Message, context: Context) -> Message:
         # The sealed mode asks one sum a round, the aggregate: a weighted sum, a member listed
         # twice or a second sum of the round (whose difference with the first would isolate a
         # client) is refused.
-        mine = [q for q in batch.queries if client in q.members]
-        # On the client's own disk, per run (the directory's nonce): neither a registration
-        # sent again nor the run started again as a new Flower run forgets them.
-        ledger = answered_ledger(Path(str(stored["state_dir"])), directory.nonce)
-        answered = json.loads(ledger.read_text())["rounds"] if ledger.is_file() else []
         for q in mine:
             if set(q.coefficients) != {1} or len(set(q.members)) != len(q.members):
                 raise QueryRefused(
                     f"client {client} refused: query {q.query_id} is not a plain sum of distinct "
                     "members (its directory pins the sealed mode: one aggregate a round)"
                 )
-        if len(mine) > 1 or (mine and batch.round in answered):
+        if len(mine) > 1:
             raise QueryRefused(
                 f"client {client} refused: a second sum of round {batch.round} (its directory "
                 "pins the sealed mode: one aggregate a round)"
             )
-        if mine:  # recorded before it answers: a crash after this costs the round, never leaks
-            _write_whole(ledger, {"run": directory.nonce, "rounds": [*answered, batch.round]})
     party = _party(cfg, client, context)
+    flat = None
     if _PARTY in context.state.config_records:
         saved = context.state.config_records[_PARTY]
         flat = unarrays(context.state.array_records[_UPDATE])["flat"]
         party.restore(str(saved["meta"]), bytes(saved["private_key"]), flat)
-    reply = party.answer(batch)
+    if directory is None or not mine or flat is None:
+        reply = party.answer(batch)
+    else:
+        # On the client's own disk, per run (the directory's nonce): neither a registration
+        # sent again nor the run started again as a new Flower run forgets a round.
+        ledger = pinned_client.Ledger(Path(str(stored["state_dir"])), directory.nonce)
+        digest = pinned_client.update_digest(flat)
+        with ledger.lock():
+            ledger.admits(client, batch.round, mine[0].members, digest)
+            reply = party.answer(batch)
+            if mine[0].query_id in reply.masked:
+                # Recorded before the answer leaves: a crash after this costs the round, never
+                # a second sum.
+                ledger.record(batch.round, mine[0].members, digest)
     if party.round is not None:
         _save(context, party)  # the ledger moved on
     content = RecordDict(

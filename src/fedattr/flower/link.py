@@ -46,6 +46,10 @@ class FlowerLink:
         self.key_signatures: dict[int, bytes] = {}
         """Client -> its signature of this round's secure-aggregation key (clients with a
         directory), relayed with the key in every query."""
+        self.sizes: dict[int, int] = {}
+        self.size_signatures: dict[int, bytes] = {}
+        """Client -> its signature of its data size (clients with a directory), relayed with
+        the participants' sizes in every ``train`` message, so each checks its own scale."""
 
     def wait_for_nodes(self, count: int, wait: float) -> list[int]:
         """Node ids once ``count`` SuperNodes are connected (at most ``wait`` seconds)."""
@@ -157,6 +161,8 @@ class FlowerLink:
                 )
             self.node_of[client] = node
             sizes[client] = int(rec["size"])
+            if "size_signature" in rec:
+                self.size_signatures[client] = bytes(rec["size_signature"])
         if sorted(sizes) != list(range(clients)):
             raise UserError(
                 f"partition-id: the SuperNodes serve clients {sorted(sizes)}; "
@@ -167,6 +173,7 @@ class FlowerLink:
             + ", ".join(f"{c}->node {self.node_of[c]}" for c in sorted(self.node_of))
             + "".join(f"; {r} {n}->node {i['node']}" for (r, n), i in sorted(self.parties.items()))
         )
+        self.sizes = dict(sizes)
         return [sizes[c] for c in range(clients)]
 
     def call(self, kind: str, contents: Mapping[int, RecordDict]) -> dict[int, Message]:
@@ -193,6 +200,10 @@ class FlowerLink:
                 "participants": [int(p) for p in participants],
                 **(extra or {}),
             }
+            for p in participants:  # every participant's signed size, where it signed one
+                if p in self.size_signatures:
+                    fields[f"size.{p}"] = int(self.sizes[p])
+                    fields[f"size_sig.{p}"] = self.size_signatures[p]
             records = {"fedattr": config(fields)}
             if send_state:
                 records["state"] = state_record(state)

@@ -191,6 +191,10 @@ class Directory:
         head = f"fedattr/sa-key/v1/run={self.nonce}/round={round_id}/client={client}/"
         return head.encode() + bytes(public_key)
 
+    def size_message(self, client: int, size: int) -> bytes:
+        """What client ``client`` signs for its data size (its FedAvg weight) in this run."""
+        return f"fedattr/data-size/v1/run={self.nonce}/client={client}/size={int(size)}".encode()
+
     def expect(self, given: bytes, pinned: bytes, what: str, who: str) -> None:
         """Refuse a key handed by the coordinator that is not the pinned one."""
         if bytes(given) != pinned:

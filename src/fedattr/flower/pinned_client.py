@@ -1,0 +1,166 @@
+"""What a client with a deployment directory checks before it trains or answers a sum.
+
+A coordinator that relays every message could otherwise read one client's update from sums that
+pass every other check:
+
+- **Its scale.** Clients submit ``n * p_i * Delta_i`` (:func:`~fedattr.fl.aggregate.sa_scales`);
+  a coordinator that gave every other member a scale of zero would read one client from an
+  honest-looking plain sum. Each client signs its data size for the run at registration; a
+  client trains only when every participant's size carries that participant's signature and its
+  own scale is the one those sizes give (:func:`check_train`).
+- **One sum a round, on its own disk.** A second sum of a round over other members would read a
+  client from the difference. The client records each round it answered in its ``state-dir``
+  (:class:`Ledger`, one file per run nonce), so neither a registration sent again nor the run
+  started again as a new Flower run forgets it. The same sum asked again (the same members, the
+  client's own update bit for bit: a resumed run) reveals nothing new and is answered.
+- **Rounds of the run.** Round numbers outside ``1..fl.rounds`` are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import UserError
+from ..fl.aggregate import sa_scales
+from ..models.filelock import file_lock
+from ..secagg.directory import Directory
+from ..secagg.envelope import Recipient, verify
+from ..secagg.errors import QueryRefused
+
+
+def size_signature(me: Recipient, directory: Directory, client: int, size: int) -> bytes:
+    """What a client sends with its data size at registration."""
+    return me.sign(directory.size_message(client, size))
+
+
+def check_round(directory: Directory | None, round_id: int, rounds: int, client: int) -> None:
+    """Refuse a round number outside the run's ``1..rounds`` (clients with a directory)."""
+    if directory is not None and not 1 <= round_id <= rounds:
+        raise QueryRefused(
+            f"client {client} refused: round {round_id} is not a round of this run "
+            f"(1..{rounds}, fl.rounds)"
+        )
+
+
+def check_train(
+    rec: Mapping[str, Any],
+    directory: Directory,
+    client: int,
+    own_size: int,
+    participants: Sequence[int],
+    scale: float,
+) -> None:
+    """Refuse a ``train`` message whose participants' sizes are not signed by them, whose size
+    for this client is not its own, or whose scale is not the one the sizes give."""
+    if len(set(participants)) != len(participants) or client not in participants:
+        raise QueryRefused(
+            f"client {client} refused: the round's participants {list(participants)} must be "
+            "distinct and include it"
+        )
+    sizes = []
+    for p in participants:
+        what = f"client {client} refused: client {p}'s data size"
+        raw, signature = rec.get(f"size.{p}"), rec.get(f"size_sig.{p}")
+        if raw is None or signature is None:
+            raise QueryRefused(f"{what} comes unsigned")
+        verify(
+            directory.client_identity(p, f"client {client}"),
+            bytes(signature),
+            directory.size_message(p, int(raw)),
+            what,
+        )
+        sizes.append(int(raw))
+    mine = sizes[list(participants).index(client)]
+    if mine != own_size:
+        raise QueryRefused(
+            f"client {client} refused: the coordinator gives its data size as {mine}; it holds "
+            f"{own_size} usable examples"
+        )
+    expected = sa_scales(sizes)[list(participants).index(client)]
+    if not math.isclose(scale, expected, rel_tol=1e-12, abs_tol=0.0):
+        raise QueryRefused(
+            f"client {client} refused: the coordinator gives it the scale {scale!r}; the "
+            f"participants' signed data sizes give {expected!r}"
+        )
+
+
+def update_digest(flat: np.ndarray) -> str:
+    """SHA-256 of a client's scaled update as it holds it (float64)."""
+    return hashlib.sha256(np.ascontiguousarray(flat, dtype=np.float64).tobytes()).hexdigest()
+
+
+class Ledger:
+    """The rounds a client answered a sum of in run ``nonce``: ``answered-<nonce>.json`` in its
+    ``state-dir``, each round with the sum's members and the digest of the client's update."""
+
+    def __init__(self, folder: Path, nonce: str) -> None:
+        self.path = folder / f"answered-{nonce}.json"
+        self.nonce = nonce
+
+    def lock(self) -> Any:
+        """An exclusive lock over read, answer and record (two processes, one folder)."""
+        return file_lock(self.path.with_name(self.path.name + ".lock"))
+
+    def read(self) -> dict[int, dict[str, Any]]:
+        """Round -> ``{"members", "update"}``; a garbled file is refused in one line (never
+        read as empty: that would answer again)."""
+        if not self.path.is_file():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict) or data.get("run") != self.nonce:
+                raise ValueError("not this run's ledger")
+            rounds = {}
+            for key, entry in dict(data["rounds"]).items():
+                members = [int(m) for m in entry["members"]]
+                if not isinstance(entry["update"], str) or int(key) < 1:
+                    raise ValueError("malformed entry")
+                rounds[int(key)] = {"members": members, "update": entry["update"]}
+            return rounds
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(
+                f"state-dir: {str(self.path)!r} is not a readable ledger of this run ({exc}); "
+                "restore it (deleting it would let the coordinator ask a round again)"
+            ) from None
+
+    def admits(self, client: int, round_id: int, members: Sequence[int], digest: str) -> None:
+        """Refuse a sum of a round already answered, unless it is the same sum (the same
+        members and this client's update bit for bit)."""
+        done = self.read().get(round_id)
+        if done is None:
+            return
+        if done["members"] != sorted(members) or done["update"] != digest:
+            raise QueryRefused(
+                f"client {client} refused: a second sum of round {round_id} (its directory "
+                "pins the sealed mode: one aggregate a round)"
+            )
+
+    def record(self, round_id: int, members: Sequence[int], digest: str) -> None:
+        """Add the round, written whole and flushed to disk before the answer leaves."""
+        rounds = self.read()
+        rounds[round_id] = {"members": sorted(int(m) for m in members), "update": digest}
+        data = {"run": self.nonce, "rounds": {str(r): e for r, e in sorted(rounds.items())}}
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        with open(temporary, "w") as handle:
+            handle.write(json.dumps(data))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, self.path)
+        try:  # the rename itself, durable
+            folder = os.open(self.path.parent, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(folder)
+        except OSError:
+            pass
+        finally:
+            os.close(folder)
