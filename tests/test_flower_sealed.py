@@ -414,12 +414,18 @@ def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
 
     # A client answers a subset sum only when every member's key carries that member's
     # signature for the round and run: a coordinator posing as clients 1 and 2 is refused.
-    def hold(ctx, flat):  # what train leaves in the node state (the round's scaled update)
+    agreed = "d" * 64  # the digest of the state and participants it trained with
+
+    def hold(ctx, flat, sizes=None):  # what train leaves in the node state
         party = client_module._party(cfg, 0, ctx)
         party.start_round(1, [0, 1, 2, 3], flat)
         client_module._save(ctx, party)
+        sizes = sizes or {0: size, 1: 5, 2: 5, 3: 5}
+        ctx.state.config_records["fedattr.agreed"] = config(
+            {"round": 1, "digest": agreed, "sizes": json.dumps(sizes)}
+        )
 
-    def ask_sum(signed, *rows, members=(0, 1, 2), round_id=1):
+    def ask_sum(signed, *rows, members=(0, 1, 2), round_id=1, trained=None):
         rows = rows or ([1] * len(members),)
         query = json.dumps(
             [
@@ -432,22 +438,38 @@ def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
             key = Recipient().public_key
             fields[f"pk.{c}"] = key
             if signed.get(c) is not None:
-                fields[f"sig.{c}"] = signed[c].sign(pinned.key_message(round_id, c, key))
+                digest = (trained or {}).get(c, agreed)
+                message = pinned.key_message(round_id, c, key, digest)
+                fields[f"sig.{c}"] = signed[c].sign(message)
         msg = Message(
             RecordDict({"fedattr": config(fields)}), dst_node_id=9, message_type="query.sa_batch"
         )
         reply = client_app(msg, ctx)
         return json.loads(str(reply.content.config_records["fedattr"]["refused"]))
 
+    signed = {c: clients[c] for c in range(4)}
+    with pytest.raises(SecAggError, match="it trained nothing in round 1"):
+        ask_sum(signed)
     update = np.linspace(-1.0, 1.0, 5)
     hold(ctx, update)
     with pytest.raises(SecAggError, match="client 2's key of round 1 comes unsigned"):
         ask_sum({0: clients[0], 1: clients[1]})
     with pytest.raises(SecAggError, match="client 1's key of round 1: the signature does not"):
         ask_sum({0: clients[0], 1: eve, 2: clients[2]})
+    # A member that trained from another state (a coordinator that sent the others a state
+    # from which nothing is learnt would read this client from one sum) is refused.
+    with pytest.raises(SecAggError, match="client 2's key of round 1: the signature does not"):
+        ask_sum(signed, trained={2: "0" * 64})
+    # Members whose signed size is 0 submit exact zeros: they do not count towards the
+    # threshold.
+    hold(ctx, update, sizes={0: size, 1: 0, 2: 0, 3: 5})
+    threshold = client_module._party(cfg, 0, ctx).min_members
+    assert threshold == 2
+    with pytest.raises(SecAggError, match=r"only 1 of the sum's members \[0, 1, 2\] hold data"):
+        ask_sum(signed)
+    hold(ctx, update)
     # Signed by all, it still answers one plain sum a round: no weighted sum (which would read
     # one client alone) and no second sum (whose difference with the first would).
-    signed = {c: clients[c] for c in range(4)}
     with pytest.raises(SecAggError, match="query 0 is not a plain sum of distinct members"):
         ask_sum(signed, [1, 0, 0])
     with pytest.raises(SecAggError, match="a second sum of round 1"):
@@ -463,7 +485,6 @@ def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
     # Nor after a registration sent again, nor in the run started again as a new Flower run
     # (a fresh node state): the ledger is on the client's disk, per run nonce.
     _register(client, run, 9, ctx)
-    hold(ctx, update)
     with pytest.raises(SecAggError, match="a second sum of round 1"):
         ask_sum(signed, members=(0, 1, 3))
     ctx, _ = _register(client, run, 9)
@@ -476,3 +497,20 @@ def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
     ledger.path.write_text('{"run": "' + pinned.nonce + '", "rounds": ["1"]}')
     with pytest.raises(UserError, match="is not a readable ledger of this run"):
         ask_sum(signed)
+
+
+def test_a_clients_refusal_stops_the_run_in_one_line_not_as_a_dropout():
+    from fedattr.flower.link import FlowerLink
+
+    link = FlowerLink(grid=None, timeout=1.0)
+    link.node_of = {0: 10, 1: 11, 2: 12}
+    # As the SuperNode's runtime words a ClientApp's exception.
+    link.errors = {
+        10: "<class 'fedattr.secagg.errors.QueryRefused'>:<'client 0 refused: the coordinator "
+        "gives it the scale 0.0; the participants' signed data sizes give 1.0'>",
+        11: "<class 'TimeoutError'>:<'slow'>",
+    }
+    with pytest.raises(UserError, match=r"client 0 refused round 3: .*signed data sizes"):
+        link.refused(0, "round 3")
+    link.refused(1, "round 3")  # another error: a dropout, as before
+    link.refused(2, "round 3")  # no error at all

@@ -42,6 +42,7 @@ from .records import arrays, config, config_of, record_state, unarrays
 app = ClientApp()
 
 _NODE, _PARTY, _UPDATE = "fedattr.node", "fedattr.party", "fedattr.update"
+_AGREED = "fedattr.agreed"  # a client with a directory: what it trained from this round
 
 
 def partition_id(node_config: Any) -> int:
@@ -151,9 +152,16 @@ def train(msg: Message, context: Context) -> Message:
     if "records" in stored:
         records = [Record(**r) for r in json.loads(str(stored["records"]))]
     node = _node(command, cfg, client, records)
+    agreed = ""
     if directory is not None:  # before any training
         pinned_client.check_round(directory, round_id, cfg.fl.rounds, client)
         pinned_client.check_train(rec, directory, client, node.data_size(), participants, scale)
+        raw = msg.content.array_records.get("state")
+        agreed = pinned_client.round_digest(unarrays(raw) if raw is not None else {}, participants)
+        sizes = {p: int(rec[f"size.{p}"]) for p in participants}
+        context.state.config_records[_AGREED] = config(
+            {"round": round_id, "digest": agreed, "sizes": json.dumps(sizes)}
+        )
     state = record_state(msg.content.array_records["state"]) if command == "run" else None
     update, stats = node.train(round_id, state, scale)
     layout = UpdateLayout.of(update)
@@ -167,10 +175,12 @@ def train(msg: Message, context: Context) -> Message:
         **stats,
     }
     if directory is not None:
-        # Its secure-aggregation key of the round, signed: no client answers a subset sum whose
-        # members' keys the coordinator made up.
+        # Its secure-aggregation key of the round, signed with what it trained from: no client
+        # answers a subset sum whose members' keys the coordinator made up, or whose members
+        # trained from another state.
         me = Recipient(bytes(stored["private_key"]))
-        reply["sa_signature"] = me.sign(directory.key_message(round_id, client, public_key))
+        message = directory.key_message(round_id, client, public_key, agreed)
+        reply["sa_signature"] = me.sign(message)
     if "sealed.pk.A" in rec:
         # The sealed mode: what it submits, split into two reading shares, one sealed to each
         # share server (the coordinator relays them unread). The masks' scale is the client's
@@ -228,7 +238,14 @@ def sa_batch(msg: Message, context: Context) -> Message:
     mine = [q for q in batch.queries if client in q.members]
     if directory is not None:
         pinned_client.check_round(directory, batch.round, cfg.fl.rounds, client)
-        # Every member's key must be the one that member signed for this round and run.
+        trained = context.state.config_records.get(_AGREED)
+        if trained is None or int(trained["round"]) != batch.round:
+            raise QueryRefused(
+                f"client {client} refused: it trained nothing in round {batch.round}"
+            )
+        agreed = str(trained["digest"])
+        # Every member's key must be the one that member signed for this round and run, having
+        # trained from the state this client trained from, among the same participants.
         for c, key in sorted(batch.public_keys.items()):
             what = f"client {client} refused: client {c}'s key of round {batch.round}"
             signature = rec.get(f"sig.{c}")
@@ -237,7 +254,7 @@ def sa_batch(msg: Message, context: Context) -> Message:
             verify(
                 directory.client_identity(c, f"client {client}"),
                 bytes(signature),
-                directory.key_message(batch.round, c, key),
+                directory.key_message(batch.round, c, key, agreed),
                 what,
             )
         # The sealed mode asks one sum a round, the aggregate: a weighted sum, a member listed
@@ -254,6 +271,10 @@ def sa_batch(msg: Message, context: Context) -> Message:
                 f"client {client} refused: a second sum of round {batch.round} (its directory "
                 "pins the sealed mode: one aggregate a round)"
             )
+        sizes = {int(k): int(v) for k, v in json.loads(str(trained["sizes"])).items()}
+        threshold = _party(cfg, client, context).min_members
+        for q in mine:
+            pinned_client.check_members(client, q.members, sizes, threshold)
     party = _party(cfg, client, context)
     flat = None
     if _PARTY in context.state.config_records:

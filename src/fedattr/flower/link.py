@@ -51,6 +51,14 @@ class FlowerLink:
         """Client -> its signature of its data size (clients with a directory), relayed with
         the participants' sizes in every ``train`` message, so each checks its own scale."""
 
+    def refused(self, client: int, what: str) -> None:
+        """Stop the run in one line where client ``client``'s last error is a refusal (its
+        checks, e.g. a directory's: a misconfiguration or a lying coordinator), rather than
+        carry on as if it had dropped out."""
+        reason = self.errors.get(self.node_of.get(client, -1), "")
+        if any(name in reason for name in ("QueryRefused", "SecAggError")):
+            raise UserError(f"flower: client {client} refused {what}: {reason}")
+
     def wait_for_nodes(self, count: int, wait: float) -> list[int]:
         """Node ids once ``count`` SuperNodes are connected (at most ``wait`` seconds)."""
         deadline = time.monotonic() + wait
@@ -74,6 +82,8 @@ class FlowerLink:
             )
             for c, content in contents.items()
         ]
+        for m in messages:  # a node's errors are this exchange's, not an earlier one's
+            self.errors.pop(m.metadata.dst_node_id, None)
         # Replies are matched to requests by message id: an error the SuperLink generates for
         # an unreachable node does not carry that node's id.
         ids = [str(i) for i in self.grid.push_messages(messages)]
@@ -225,6 +235,9 @@ class FlowerLink:
         )
         contents = {c: RecordDict({"fedattr": config(fields)}) for c in recipients}
         replies = self._exchange("query.sa_batch", str(batch.round), contents)
+        for c in recipients:
+            if c not in replies:
+                self.refused(c, f"the sums of round {batch.round}")
         out = {}
         for c, reply in replies.items():
             rec = reply.content.config_records["fedattr"]

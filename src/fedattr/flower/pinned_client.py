@@ -13,6 +13,14 @@ pass every other check:
   (:class:`Ledger`, one file per run nonce), so neither a registration sent again nor the run
   started again as a new Flower run forgets it. The same sum asked again (the same members, the
   client's own update bit for bit: a resumed run) reveals nothing new and is answered.
+- **One state for every member.** A coordinator that sent the target the global state and every
+  other member a state from which nothing is learnt (LoRA factors of zero: a zero update) would
+  read the target from one sum (a model-inconsistency attack). Each client signs its round key
+  together with a digest of the state it trained from and the round's participants
+  (:func:`round_digest`), and answers a sum only when every member's key verifies against its
+  own digest: every member trained from the same state, among the same participants.
+- **Members that hold data.** A member whose signed data size is 0 submits an exact zero; it
+  does not count towards the client's threshold (:func:`check_members`).
 - **Rounds of the run.** Round numbers outside ``1..fl.rounds`` are refused.
 """
 
@@ -89,6 +97,31 @@ def check_train(
         raise QueryRefused(
             f"client {client} refused: the coordinator gives it the scale {scale!r}; the "
             f"participants' signed data sizes give {expected!r}"
+        )
+
+
+def round_digest(state: Mapping[str, np.ndarray], participants: Sequence[int]) -> str:
+    """SHA-256 of the global state a client trained from (every array: name, dtype, shape,
+    bytes) and the round's participants: what the members of a sum must share."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        a = np.ascontiguousarray(state[name])
+        h.update(f"{name}|{a.dtype.str}|{list(a.shape)}|".encode())
+        h.update(a.tobytes())
+    h.update(("participants=" + ",".join(str(int(p)) for p in participants)).encode())
+    return h.hexdigest()
+
+
+def check_members(
+    client: int, members: Sequence[int], sizes: Mapping[int, int], threshold: int
+) -> None:
+    """Refuse a sum with fewer than ``threshold`` members holding data (signed sizes above 0):
+    the others submit exact zeros and hide nothing."""
+    holding = [m for m in members if sizes.get(int(m), 0) > 0]
+    if len(holding) < threshold:
+        raise QueryRefused(
+            f"client {client} refused: only {len(holding)} of the sum's members {list(members)} "
+            f"hold data (signed sizes above 0); its threshold is {threshold}"
         )
 
 

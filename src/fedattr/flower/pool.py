@@ -62,6 +62,7 @@ class FlowerPool(ClientPool):
         for c in participants:
             reply = replies.get(c)
             if reply is None:
+                self.link.refused(c, f"round {round_id}")
                 progress(f"round {round_id}: client {c} did not answer; offline for the round")
                 sa.drop(c)
                 continue

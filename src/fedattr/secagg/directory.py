@@ -186,10 +186,14 @@ class Directory:
         """An envelope context bound to this run (its nonce)."""
         return f"{context}/run={self.nonce}"
 
-    def key_message(self, round_id: int, client: int, public_key: bytes) -> bytes:
-        """What client ``client`` signs for its secure-aggregation key of ``round_id``."""
-        head = f"fedattr/sa-key/v1/run={self.nonce}/round={round_id}/client={client}/"
-        return head.encode() + bytes(public_key)
+    def key_message(
+        self, round_id: int, client: int, public_key: bytes, agreed: str = ""
+    ) -> bytes:
+        """What client ``client`` signs for its secure-aggregation key of ``round_id``;
+        ``agreed``: a digest of what it trained from (the global state and the round's
+        participants), so that members who trained from different states cannot sum."""
+        head = f"fedattr/sa-key/v2/run={self.nonce}/round={round_id}/client={client}/"
+        return f"{head}agreed={agreed}/".encode() + bytes(public_key)
 
     def size_message(self, client: int, size: int) -> bytes:
         """What client ``client`` signs for its data size (its FedAvg weight) in this run."""
