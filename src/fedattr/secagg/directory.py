@@ -186,9 +186,7 @@ class Directory:
         """An envelope context bound to this run (its nonce)."""
         return f"{context}/run={self.nonce}"
 
-    def key_message(
-        self, round_id: int, client: int, public_key: bytes, agreed: str = ""
-    ) -> bytes:
+    def key_message(self, round_id: int, client: int, public_key: bytes, agreed: str = "") -> bytes:
         """What client ``client`` signs for its secure-aggregation key of ``round_id``;
         ``agreed``: a digest of what it trained from (the global state and the round's
         participants), so that members who trained from different states cannot sum."""
