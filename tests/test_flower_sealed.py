@@ -509,8 +509,12 @@ def test_a_clients_refusal_stops_the_run_in_one_line_not_as_a_dropout():
         10: "<class 'fedattr.secagg.errors.QueryRefused'>:<'client 0 refused: the coordinator "
         "gives it the scale 0.0; the participants' signed data sizes give 1.0'>",
         11: "<class 'TimeoutError'>:<'slow'>",
+        12: "<class 'fedattr.errors.UserError'>:<'state-dir: ... is not a readable ledger'>",
     }
     with pytest.raises(UserError, match=r"client 0 refused round 3: .*signed data sizes"):
         link.refused(0, "round 3")
+    with pytest.raises(UserError, match=r"client 2 refused the sums of round 3: .*ledger"):
+        link.refused(2, "the sums of round 3")
     link.refused(1, "round 3")  # another error: a dropout, as before
-    link.refused(2, "round 3")  # no error at all
+    link.node_of[3] = 13
+    link.refused(3, "round 3")  # no error at all

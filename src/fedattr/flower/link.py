@@ -53,10 +53,11 @@ class FlowerLink:
 
     def refused(self, client: int, what: str) -> None:
         """Stop the run in one line where client ``client``'s last error is a refusal (its
-        checks, e.g. a directory's: a misconfiguration or a lying coordinator), rather than
-        carry on as if it had dropped out."""
+        checks, e.g. a directory's: a misconfiguration or a lying coordinator) or a setting it
+        cannot work with (a ``UserError``, e.g. a garbled ledger), rather than carry on as if it
+        had dropped out."""
         reason = self.errors.get(self.node_of.get(client, -1), "")
-        if any(name in reason for name in ("QueryRefused", "SecAggError")):
+        if any(name in reason for name in ("QueryRefused", "SecAggError", "UserError")):
             raise UserError(f"flower: client {client} refused {what}: {reason}")
 
     def wait_for_nodes(self, count: int, wait: float) -> list[int]:
