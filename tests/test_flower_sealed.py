@@ -273,15 +273,21 @@ def test_a_party_with_a_directory_takes_no_key_and_no_setting_from_the_coordinat
     clients = {c: Recipient.load(n["key-file"]) for c, n in nodes.clients.items()}
     pinned = Directory.load(server_a["directory"])
 
-    def read(senders):
+    agreed = "a" * 64  # the digest of the state and participants the clients trained with
+
+    def read(senders, members=None, digests=None):
         fields = {
             "round": 1,
             "previous": -1,
             "answered": list(senders),
             "layout": json.dumps({"names": ["x"], "shapes": [[3]], "dtypes": ["float32"]}),
+            "agreed": agreed,
         }
         for c, sender in senders.items():
-            where = pinned.context(sealed_nodes.share_context(1, c, "A"))  # this run's
+            # As the client seals it: this run's, naming the round's members and its state.
+            digest = (digests or {}).get(c, agreed)
+            context = sealed_nodes.share_context(1, c, "A", members or list(senders), digest)
+            where = pinned.context(context)
             fields[f"env.{c}"] = seal_arrays(key, {"share": np.full(3, 1.0)}, where, sender)
         msg = Message(
             RecordDict({"fedattr": config(fields)}), dst_node_id=7, message_type="query.x"
@@ -293,6 +299,14 @@ def test_a_party_with_a_directory_takes_no_key_and_no_setting_from_the_coordinat
             read({0: clients[0], 1: clients[1], 2: forged})
     with pytest.raises(SecAggError, match="client 99 is not in its directory"):
         read({0: clients[0], 1: clients[1], 99: eve})
+    # Nor a set of clients other than the round's members (the servers' total would differ from
+    # the secure-aggregation sum by one client), nor shares of clients that trained from
+    # another state (which a coordinator could make learn nothing).
+    genuine = {c: clients[c] for c in range(3)}
+    with pytest.raises(SecAggError, match="not by the pinned sender"):
+        read({0: clients[0], 1: clients[1]}, members=[0, 1, 2])
+    with pytest.raises(SecAggError, match="not by the pinned sender"):
+        read(genuine, digests={1: "b" * 64})
     assert not (tmp_path / "nodes" / "server-A" / "opened.json").exists()  # nothing opened
     with pytest.raises(UserError, match=r"holds no taper"):  # the genuine shares open
         read({c: clients[c] for c in range(3)})
@@ -417,10 +431,10 @@ def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
     agreed = "d" * 64  # the digest of the state and participants it trained with
 
     def hold(ctx, flat, sizes=None):  # what train leaves in the node state
+        sizes = sizes or {0: size, 1: 5, 2: 5}  # the round's participants, their sizes
         party = client_module._party(cfg, 0, ctx)
-        party.start_round(1, [0, 1, 2, 3], flat)
+        party.start_round(1, sorted(sizes), flat)
         client_module._save(ctx, party)
-        sizes = sizes or {0: size, 1: 5, 2: 5, 3: 5}
         ctx.state.config_records["fedattr.agreed"] = config(
             {"round": 1, "digest": agreed, "sizes": json.dumps(sizes)}
         )
@@ -462,7 +476,7 @@ def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
         ask_sum(signed, trained={2: "0" * 64})
     # Members whose signed size is 0 submit exact zeros: they do not count towards the
     # threshold.
-    hold(ctx, update, sizes={0: size, 1: 0, 2: 0, 3: 5})
+    hold(ctx, update, sizes={0: size, 1: 0, 2: 0})
     threshold = client_module._party(cfg, 0, ctx).min_members
     assert threshold == 2
     with pytest.raises(SecAggError, match=r"only 1 of the sum's members \[0, 1, 2\] hold data"):
@@ -478,16 +492,19 @@ def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
         ask_sum(signed, round_id=0)
     ledger = Ledger(Path(client["state-dir"]), pinned.nonce)
     assert ledger.read() == {}  # nothing answered: no round spent
+    # The sum is over every participant (as its shares to the servers name them).
+    with pytest.raises(SecAggError, match=r"sums \[0, 1\]; the round's participants are"):
+        ask_sum(signed, members=(0, 1))
     assert ask_sum(signed) == {}  # the round's one aggregate
-    with pytest.raises(SecAggError, match="a second sum of round 1"):
-        ask_sum(signed, members=(0, 1, 3))
     assert ask_sum(signed) == {}  # the same sum again (a resumed run): nothing new
-    # Nor after a registration sent again, nor in the run started again as a new Flower run
-    # (a fresh node state): the ledger is on the client's disk, per run nonce.
+    # No second sum after a registration sent again, nor in the run started again as a new
+    # Flower run (a fresh node state): the ledger is on the client's disk, per run nonce.
     _register(client, run, 9, ctx)
+    assert ask_sum(signed) == {}  # the same sum still
+    ctx, _ = _register(client, run, 9)
+    hold(ctx, update, sizes={0: size, 1: 5, 3: 5})  # the round again, other participants
     with pytest.raises(SecAggError, match="a second sum of round 1"):
         ask_sum(signed, members=(0, 1, 3))
-    ctx, _ = _register(client, run, 9)
     hold(ctx, update + 1e-9)  # the same round trained from another state: refused
     with pytest.raises(SecAggError, match="a second sum of round 1"):
         ask_sum(signed)

@@ -192,7 +192,16 @@ def train(msg: Message, context: Context) -> Message:
             reply[f"sealed.{server}"] = seal_arrays(
                 bytes(rec[f"sealed.pk.{server}"]),
                 {"share": share},
-                sealed_nodes.bound(directory, sealed_nodes.share_context(round_id, client, server)),
+                sealed_nodes.bound(
+                    directory,
+                    sealed_nodes.share_context(
+                        round_id,
+                        client,
+                        server,
+                        participants if directory is not None else None,
+                        agreed,
+                    ),
+                ),
                 sealer,
             )
     return Message(RecordDict({"fedattr": config(reply)}), reply_to=msg)
@@ -275,6 +284,14 @@ def sa_batch(msg: Message, context: Context) -> Message:
         threshold = _party(cfg, client, context).min_members
         for q in mine:
             pinned_client.check_members(client, q.members, sizes, threshold)
+            # The sum is over every participant of the round, as the shares it sealed to the
+            # servers name them: the servers' total is then this sum, not a second one.
+            if sorted(q.members) != sorted(sizes):
+                raise QueryRefused(
+                    f"client {client} refused: query {q.query_id} sums {sorted(q.members)}; the "
+                    f"round's participants are {sorted(sizes)} (its directory pins one "
+                    "aggregate over all of them)"
+                )
     party = _party(cfg, client, context)
     flat = None
     if _PARTY in context.state.config_records:

@@ -21,6 +21,11 @@ pass every other check:
   own digest: every member trained from the same state, among the same participants.
 - **Members that hold data.** A member whose signed data size is 0 submits an exact zero; it
   does not count towards the client's threshold (:func:`check_members`).
+- **One sum, two channels.** The share servers' totals add up to an aggregate too. A client
+  sums over every participant of the round and seals its shares under a context naming the
+  participants and the state digest (``sealed_nodes.share_context``), so a server opens a round
+  only over exactly those clients, trained from one state: the servers' total is the
+  secure-aggregation sum again, never a second sum to difference it with.
 - **Rounds of the run.** Round numbers outside ``1..fl.rounds`` are refused.
 """
 

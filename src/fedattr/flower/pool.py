@@ -13,6 +13,8 @@ from ..fl.timing import Stopwatch
 from ..secagg.aggregator import SecureAggregator
 from ..secagg.remote_server import RemoteMaskingServer
 from .link import FlowerLink
+from .pinned_client import round_digest
+from .records import state_record, unarrays
 from .sealed import FlowerParties
 
 
@@ -56,7 +58,13 @@ class FlowerPool(ClientPool):
                 f"(got {sa.name})"
             )
         progress(f"round {round_id}: training on {len(participants)} SuperNodes")
-        extra = self.sealed.train_fields(state) if self.sealed is not None else None
+        extra = None
+        if self.sealed is not None:
+            extra = self.sealed.train_fields(state)
+            # What the clients sign their round keys and seal their shares under (clients with
+            # a directory): the state as sent, and the participants.
+            sent = unarrays(state_record(state)) if self.send_state else {}
+            self.sealed.agreed = round_digest(sent, participants)
         replies = self.link.train(round_id, participants, state, scales, self.send_state, extra)
         losses: dict[int, float] = {}
         for c in participants:

@@ -53,6 +53,9 @@ class FlowerParties:
             )
         self.envelopes: dict[int, dict[str, bytes]] = {}
         """This round's sealed shares, by client (filled from the ``train`` replies)."""
+        self.agreed = ""
+        """The digest of this round's state and participants (set by the pool as it sends
+        ``train``): clients with a directory seal their shares under it."""
         self.seen: set[int] = set()
         self._reads = 0
         self.last: int | None = None
@@ -116,6 +119,7 @@ class FlowerParties:
                 "previous": -1 if work.previous is None else work.previous,
                 "answered": [int(c) for c in work.answered],
                 "layout": json.dumps(work.layout.to_dict()),
+                "agreed": self.agreed,
             }
             fields |= {f"env.{c}": self.envelopes[c][s] for c in work.answered}
             records: dict[str, Any] = {

@@ -74,9 +74,17 @@ def role_of(node_config: Any) -> str:
     return role
 
 
-def share_context(round_id: int, client: int, server: str) -> str:
-    """The envelope context of a client's share to a server."""
-    return f"sealed/share/round={round_id}/client={client}/server={server}"
+def share_context(
+    round_id: int, client: int, server: str, members: list[int] | None = None, agreed: str = ""
+) -> str:
+    """The envelope context of a client's share to a server; with a directory, also the round's
+    members and the digest of the state they trained from (``agreed``): a server opens a round
+    only over exactly the members the clients' secure-aggregation sum has, all trained from one
+    state, so its total is that sum again and no second one."""
+    base = f"sealed/share/round={round_id}/client={client}/server={server}"
+    if members is None:
+        return base
+    return f"{base}/members={','.join(str(int(m)) for m in sorted(members))}/agreed={agreed}"
 
 
 def _reader(text: str, documents: dict[str, Any]) -> Any:
@@ -258,10 +266,14 @@ def read_round(msg: Message, context: Context) -> Message:
     if previous >= 0:
         _load_sums(server, folder, previous)
     directory, who = directory_of(stored), f"server {server.label}"
+    # With a directory, one state digest for the whole round: shares of clients that trained
+    # from other states, or among other members, do not open.
+    agreed = str(rec.get("agreed", "")) if directory is not None else ""
+    members = answered if directory is not None else None
     for c in answered:
         envelope = bytes(rec[f"env.{c}"])
         sender = None if directory is None else directory.client(c, who)
-        where = bound(directory, share_context(round_id, c, server.label))
+        where = bound(directory, share_context(round_id, c, server.label, members, agreed))
         share = me.open_arrays(envelope, where, sender)["share"]
         server.shares.receive(c, share)
     total = server.shares.total(answered)  # refused below min_members clients
