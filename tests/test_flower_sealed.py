@@ -366,8 +366,9 @@ def _register(node_config, text, node, ctx=None):
 def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
     tiny_cache, tmp_path
 ):
+    from fedattr.fl.aggregate import sa_scales
     from fedattr.flower import client_app as client_module
-    from fedattr.flower.pinned_client import Ledger
+    from fedattr.flower.pinned_client import Ledger, update_digest
     from fedattr.flower.records import config_json
 
     cfg = _sealed_cfg(tiny_cache)
@@ -430,7 +431,9 @@ def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
     # signature for the round and run: a coordinator posing as clients 1 and 2 is refused.
     agreed = "d" * 64  # the digest of the state and participants it trained with
 
-    def hold(ctx, flat, sizes=None):  # what train leaves in the node state
+    ledger = Ledger(Path(client["state-dir"]), pinned.run)
+
+    def hold(ctx, flat, sizes=None, record=True):  # what train leaves: node state, ledger
         sizes = sizes or {0: size, 1: 5, 2: 5}  # the round's participants, their sizes
         party = client_module._party(cfg, 0, ctx)
         party.start_round(1, sorted(sizes), flat)
@@ -438,6 +441,8 @@ def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
         ctx.state.config_records["fedattr.agreed"] = config(
             {"round": 1, "digest": agreed, "sizes": json.dumps(sizes)}
         )
+        if record:
+            ledger.record(1, sorted(sizes), agreed, update_digest(flat))
 
     def ask_sum(signed, *rows, members=(0, 1, 2), round_id=1, trained=None):
         rows = rows or ([1] * len(members),)
@@ -490,28 +495,34 @@ def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
         ask_sum(signed, [1, 1, 1], [1, 1, 1])
     with pytest.raises(SecAggError, match="round 0 is not a round of this run"):
         ask_sum(signed, round_id=0)
-    ledger = Ledger(Path(client["state-dir"]), pinned.nonce)
-    assert ledger.read() == {}  # nothing answered: no round spent
     # The sum is over every participant (as its shares to the servers name them).
     with pytest.raises(SecAggError, match=r"sums \[0, 1\]; the round's participants are"):
         ask_sum(signed, members=(0, 1))
     assert ask_sum(signed) == {}  # the round's one aggregate
     assert ask_sum(signed) == {}  # the same sum again (a resumed run): nothing new
-    # No second sum after a registration sent again, nor in the run started again as a new
-    # Flower run (a fresh node state): the ledger is on the client's disk, per run nonce.
+    # No second set after a registration sent again, nor in the run started again as a new
+    # Flower run (a fresh node state): the ledger is on the client's disk, per run. Training
+    # the round again among other participants is refused before it trains (its shares would
+    # be a second set), and so is one with too few members holding data.
     _register(client, run, 9, ctx)
     assert ask_sum(signed) == {}  # the same sum still
     ctx, _ = _register(client, run, 9)
-    hold(ctx, update, sizes={0: size, 1: 5, 3: 5})  # the round again, other participants
-    with pytest.raises(SecAggError, match="a second sum of round 1"):
-        ask_sum(signed, members=(0, 1, 3))
-    hold(ctx, update + 1e-9)  # the same round trained from another state: refused
+    sizes = {1: 5, 3: 5}
+    signs = {f"size_sig.{c}": clients[c].sign(pinned.size_message(c, n)) for c, n in sizes.items()}
+    again = {f"size.{c}": n for c, n in sizes.items()} | signs
+    scale = sa_scales([size, 5, 5])[0]
+    with pytest.raises(SecAggError, match=r"a second sum of round 1 \(it trained that round among"):
+        train(participants=[0, 1, 3], scale=scale, **again)
+    empty = {"size.1": 0, "size_sig.1": clients[1].sign(pinned.size_message(1, 0))}
+    with pytest.raises(SecAggError, match=r"only 1 of the sum's members \[0, 1\] hold data"):
+        train(participants=[0, 1], scale=sa_scales([size, 0])[0], **empty)
+    hold(ctx, update + 1e-9, record=False)  # the round's update changed: no sum of it
     with pytest.raises(SecAggError, match="a second sum of round 1"):
         ask_sum(signed)
     assert list(ledger.read()) == [1]
     assert ledger.read()[1]["members"] == [0, 1, 2]
     # A garbled ledger is refused in one line, never read as empty.
-    ledger.path.write_text('{"run": "' + pinned.nonce + '", "rounds": ["1"]}')
+    ledger.path.write_text('{"run": "' + pinned.run + '", "rounds": ["1"]}')
     with pytest.raises(UserError, match="is not a readable ledger of this run"):
         ask_sum(signed)
 

@@ -159,12 +159,28 @@ def train(msg: Message, context: Context) -> Message:
         raw = msg.content.array_records.get("state")
         agreed = pinned_client.round_digest(unarrays(raw) if raw is not None else {}, participants)
         sizes = {p: int(rec[f"size.{p}"]) for p in participants}
+        threshold = _party(cfg, client, context).min_members
+        pinned_client.check_members(client, participants, sizes, threshold)
+        ledger = pinned_client.Ledger(Path(str(stored["state_dir"])), directory.run)
+        with ledger.lock():  # a round trained among other participants is refused at once
+            ledger.check(client, round_id, participants, agreed)
         context.state.config_records[_AGREED] = config(
             {"round": round_id, "digest": agreed, "sizes": json.dumps(sizes)}
         )
     state = record_state(msg.content.array_records["state"]) if command == "run" else None
     update, stats = node.train(round_id, state, scale)
     layout = UpdateLayout.of(update)
+    mask_seed = None
+    if directory is not None:
+        # Recorded before anything of the update leaves: one set, state and update a round.
+        digest = pinned_client.update_digest(layout.flatten(update))
+        with ledger.lock():
+            ledger.check(client, round_id, participants, agreed, digest)
+            ledger.record(round_id, participants, agreed, digest)
+        # The same update gets the same shares (a resumed round sends nothing new).
+        mask_seed = pinned_client.mask_seed(
+            bytes(stored["private_key"]), directory.run, round_id, agreed, digest
+        )
     party = _party(cfg, client, context)
     public_key = party.start_round(round_id, participants, layout.flatten(update))
     _save(context, party)
@@ -187,7 +203,7 @@ def train(msg: Message, context: Context) -> Message:
         # own reading of the run's settings, not the coordinator's to choose.
         strategy, _ = make_strategy(cfg.fl, cfg.lora)
         sd = mask_sd(cfg.attribution.sealed.mask_scale, strategy.scoring_params(state))
-        shares = split_update(layout.flatten(update), sd)
+        shares = split_update(layout.flatten(update), sd, mask_seed)
         for server, share in zip(sealed_nodes.SERVERS, shares, strict=True):
             reply[f"sealed.{server}"] = seal_arrays(
                 bytes(rec[f"sealed.pk.{server}"]),
@@ -303,15 +319,13 @@ def sa_batch(msg: Message, context: Context) -> Message:
     else:
         # On the client's own disk, per run (the directory's nonce): neither a registration
         # sent again nor the run started again as a new Flower run forgets a round.
-        ledger = pinned_client.Ledger(Path(str(stored["state_dir"])), directory.nonce)
+        # The round as it trained it: the same members, state and update (its ledger, on its
+        # own disk, recorded before its shares left).
+        ledger = pinned_client.Ledger(Path(str(stored["state_dir"])), directory.run)
         digest = pinned_client.update_digest(flat)
         with ledger.lock():
-            ledger.admits(client, batch.round, mine[0].members, digest)
+            ledger.check(client, batch.round, mine[0].members, agreed, digest, trained=True)
             reply = party.answer(batch)
-            if mine[0].query_id in reply.masked:
-                # Recorded before the answer leaves: a crash after this costs the round, never
-                # a second sum.
-                ledger.record(batch.round, mine[0].members, digest)
     if party.round is not None:
         _save(context, party)  # the ledger moved on
     content = RecordDict(

@@ -8,11 +8,14 @@ pass every other check:
   honest-looking plain sum. Each client signs its data size for the run at registration; a
   client trains only when every participant's size carries that participant's signature and its
   own scale is the one those sizes give (:func:`check_train`).
-- **One sum a round, on its own disk.** A second sum of a round over other members would read a
-  client from the difference. The client records each round it answered in its ``state-dir``
-  (:class:`Ledger`, one file per run nonce), so neither a registration sent again nor the run
-  started again as a new Flower run forgets it. The same sum asked again (the same members, the
-  client's own update bit for bit: a resumed run) reveals nothing new and is answered.
+- **One round, one set, on its own disk.** A second sum of a round over other members (or the
+  servers' shares of one set and a sum over another) would read a client from the difference.
+  Before its shares leave, the client records the round's participants, state digest and
+  update digest in its ``state-dir`` (:class:`Ledger`, one file per run configuration, so
+  neither a registration sent again, nor the run started again as a new Flower run, nor a new
+  directory for the same configuration forgets it); training the round again, or summing it,
+  must match them. The same round again (a resumed run: the same members, state and update,
+  bit for bit) reveals nothing new and goes on.
 - **One state for every member.** A coordinator that sent the target the global state and every
   other member a state from which nothing is learnt (LoRA factors of zero: a zero update) would
   read the target from one sum (a model-inconsistency attack). Each client signs its round key
@@ -32,6 +35,7 @@ pass every other check:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import math
 import os
@@ -130,62 +134,98 @@ def check_members(
         )
 
 
+def mask_seed(private_key: bytes, run: str, round_id: int, agreed: str, update: str) -> bytes:
+    """The seed of a client's share masks for one round's update: secret (keyed by its private
+    key), and the same for the same update, so that a round sent again (a resumed run) repeats
+    its shares instead of giving a server a second, independent noisy copy."""
+    label = f"fedattr/share-mask/v1/run={run}/round={round_id}/agreed={agreed}/update={update}"
+    return hmac.new(private_key, label.encode(), hashlib.sha256).digest()
+
+
 def update_digest(flat: np.ndarray) -> str:
     """SHA-256 of a client's scaled update as it holds it (float64)."""
     return hashlib.sha256(np.ascontiguousarray(flat, dtype=np.float64).tobytes()).hexdigest()
 
 
 class Ledger:
-    """The rounds a client answered a sum of in run ``nonce``: ``answered-<nonce>.json`` in its
-    ``state-dir``, each round with the sum's members and the digest of the client's update."""
+    """What a client with a directory trained, by round: ``ledger-<run>.json`` in its
+    ``state-dir`` (``run``: the directory's digest of the run's configuration, so a new
+    directory for the same configuration, whose training is the same, shares it). Each round
+    holds the participants, the digest of the state it trained from (``agreed``) and of its
+    update, recorded before its shares leave; every later use of the round (its shares again,
+    its sum) must match them."""
 
-    def __init__(self, folder: Path, nonce: str) -> None:
-        self.path = folder / f"answered-{nonce}.json"
-        self.nonce = nonce
+    def __init__(self, folder: Path, run: str) -> None:
+        self.path = folder / f"ledger-{run}.json"
+        self.run = run
 
     def lock(self) -> Any:
-        """An exclusive lock over read, answer and record (two processes, one folder)."""
+        """An exclusive lock over check, work and record (two processes, one folder)."""
         return file_lock(self.path.with_name(self.path.name + ".lock"))
 
     def read(self) -> dict[int, dict[str, Any]]:
-        """Round -> ``{"members", "update"}``; a garbled file is refused in one line (never
-        read as empty: that would answer again)."""
+        """Round -> ``{"members", "agreed", "update"}``; a garbled file is refused in one line
+        (never read as empty: that would let a round be used again)."""
         if not self.path.is_file():
             return {}
         try:
             data = json.loads(self.path.read_text())
-            if not isinstance(data, dict) or data.get("run") != self.nonce:
+            if not isinstance(data, dict) or data.get("run") != self.run:
                 raise ValueError("not this run's ledger")
             rounds = {}
             for key, entry in dict(data["rounds"]).items():
                 members = [int(m) for m in entry["members"]]
-                if not isinstance(entry["update"], str) or int(key) < 1:
+                if not all(isinstance(entry[k], str) for k in ("agreed", "update")):
                     raise ValueError("malformed entry")
-                rounds[int(key)] = {"members": members, "update": entry["update"]}
+                if int(key) < 1:
+                    raise ValueError("malformed round")
+                rounds[int(key)] = {
+                    "members": members,
+                    "agreed": entry["agreed"],
+                    "update": entry["update"],
+                }
             return rounds
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UserError(
                 f"state-dir: {str(self.path)!r} is not a readable ledger of this run ({exc}); "
-                "restore it (deleting it would let the coordinator ask a round again)"
+                "restore it (deleting it would let the coordinator use a round again)"
             ) from None
 
-    def admits(self, client: int, round_id: int, members: Sequence[int], digest: str) -> None:
-        """Refuse a sum of a round already answered, unless it is the same sum (the same
-        members and this client's update bit for bit)."""
+    def check(
+        self,
+        client: int,
+        round_id: int,
+        members: Sequence[int],
+        agreed: str,
+        update: str | None = None,
+        trained: bool = False,
+    ) -> None:
+        """Refuse a round already recorded with other participants, another state or another
+        update (a second sum, or shares of a second set, would isolate a client); with
+        ``trained``, also a round never recorded."""
         done = self.read().get(round_id)
         if done is None:
+            if trained:
+                raise QueryRefused(
+                    f"client {client} refused: its ledger holds no training of round {round_id}"
+                )
             return
-        if done["members"] != sorted(members) or done["update"] != digest:
+        same = done["members"] == sorted(int(m) for m in members) and done["agreed"] == agreed
+        if not same or (update is not None and done["update"] != update):
             raise QueryRefused(
-                f"client {client} refused: a second sum of round {round_id} (its directory "
-                "pins the sealed mode: one aggregate a round)"
+                f"client {client} refused: a second sum of round {round_id} (it trained that "
+                f"round among {done['members']}; its directory pins one aggregate a round)"
             )
 
-    def record(self, round_id: int, members: Sequence[int], digest: str) -> None:
-        """Add the round, written whole and flushed to disk before the answer leaves."""
+    def record(self, round_id: int, members: Sequence[int], agreed: str, update: str) -> None:
+        """Add the round, written whole and flushed to disk before its shares leave."""
         rounds = self.read()
-        rounds[round_id] = {"members": sorted(int(m) for m in members), "update": digest}
-        data = {"run": self.nonce, "rounds": {str(r): e for r, e in sorted(rounds.items())}}
+        rounds[round_id] = {
+            "members": sorted(int(m) for m in members),
+            "agreed": agreed,
+            "update": update,
+        }
+        data = {"run": self.run, "rounds": {str(r): e for r, e in sorted(rounds.items())}}
         temporary = self.path.with_name(self.path.name + ".tmp")
         with open(temporary, "w") as handle:
             handle.write(json.dumps(data))

@@ -270,6 +270,12 @@ def read_round(msg: Message, context: Context) -> Message:
     # from other states, or among other members, do not open.
     agreed = str(rec.get("agreed", "")) if directory is not None else ""
     members = answered if directory is not None else None
+    read_from = opened.get("agreed", {}).get(str(round_id))
+    if read_from is not None and read_from != agreed:
+        raise QueryRefused(
+            f"server {server.label} refused: round {round_id} was opened for shares of another "
+            "state; a second state's total would be a second sum"
+        )
     for c in answered:
         envelope = bytes(rec[f"env.{c}"])
         sender = None if directory is None else directory.client(c, who)
@@ -278,6 +284,8 @@ def read_round(msg: Message, context: Context) -> Message:
         server.shares.receive(c, share)
     total = server.shares.total(answered)  # refused below min_members clients
     opened[str(round_id)] = answered
+    if directory is not None:
+        opened.setdefault("agreed", {})[str(round_id)] = agreed
     _record(folder, opened)
     content = msg.content.array_records
     weights_file = folder / "weights.pt"
