@@ -517,7 +517,7 @@ def test_a_client_with_a_directory_checks_its_scale_and_answers_one_sum_a_round(
     with pytest.raises(SecAggError, match=r"only 1 of the sum's members \[0, 1\] hold data"):
         train(participants=[0, 1], scale=sa_scales([size, 0])[0], **empty)
     hold(ctx, update + 1e-9, record=False)  # the round's update changed: no sum of it
-    with pytest.raises(SecAggError, match="a second sum of round 1"):
+    with pytest.raises(SecAggError, match=r"gave another update .*not bit for bit repeatable"):
         ask_sum(signed)
     assert list(ledger.read()) == [1]
     assert ledger.read()[1]["members"] == [0, 1, 2]

@@ -317,8 +317,6 @@ def sa_batch(msg: Message, context: Context) -> Message:
     if directory is None or not mine or flat is None:
         reply = party.answer(batch)
     else:
-        # On the client's own disk, per run (the directory's nonce): neither a registration
-        # sent again nor the run started again as a new Flower run forgets a round.
         # The round as it trained it: the same members, state and update (its ledger, on its
         # own disk, recorded before its shares left).
         ledger = pinned_client.Ledger(Path(str(stored["state_dir"])), directory.run)

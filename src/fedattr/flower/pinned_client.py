@@ -39,7 +39,8 @@ import hmac
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -159,9 +160,17 @@ class Ledger:
         self.path = folder / f"ledger-{run}.json"
         self.run = run
 
-    def lock(self) -> Any:
-        """An exclusive lock over check, work and record (two processes, one folder)."""
-        return file_lock(self.path.with_name(self.path.name + ".lock"))
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """An exclusive lock over check, work and record (two processes, one folder); refused
+        where the folder's file system takes no lock (check and record would not be atomic)."""
+        with file_lock(self.path.with_name(self.path.name + ".lock")) as locked:
+            if not locked:
+                raise UserError(
+                    f"state-dir: {str(self.path.parent)!r} takes no file lock; give the client a "
+                    "folder on a local file system"
+                )
+            yield
 
     def read(self) -> dict[int, dict[str, Any]]:
         """Round -> ``{"members", "agreed", "update"}``; a garbled file is refused in one line
@@ -211,7 +220,14 @@ class Ledger:
                 )
             return
         same = done["members"] == sorted(int(m) for m in members) and done["agreed"] == agreed
-        if not same or (update is not None and done["update"] != update):
+        if same and update is not None and done["update"] != update:
+            raise QueryRefused(
+                f"client {client} refused: round {round_id} trained again from the same state "
+                "among the same participants gave another update (training that is not bit for "
+                "bit repeatable: another device or thread count); a second sum of it would read "
+                "the difference"
+            )
+        if not same:
             raise QueryRefused(
                 f"client {client} refused: a second sum of round {round_id} (it trained that "
                 f"round among {done['members']}; its directory pins one aggregate a round)"
