@@ -152,15 +152,16 @@ def train(msg: Message, context: Context) -> Message:
     if "records" in stored:
         records = [Record(**r) for r in json.loads(str(stored["records"]))]
     node = _node(command, cfg, client, records)
+    party = _party(cfg, client, context)
     agreed = ""
     if directory is not None:  # before any training
         pinned_client.check_round(directory, round_id, cfg.fl.rounds, client)
-        pinned_client.check_train(rec, directory, client, node.data_size(), participants, scale)
+        sizes = pinned_client.check_train(
+            rec, directory, client, node.data_size(), participants, scale
+        )
         raw = msg.content.array_records.get("state")
         agreed = pinned_client.round_digest(unarrays(raw) if raw is not None else {}, participants)
-        sizes = {p: int(rec[f"size.{p}"]) for p in participants}
-        threshold = _party(cfg, client, context).min_members
-        pinned_client.check_members(client, participants, sizes, threshold)
+        pinned_client.check_members(client, participants, sizes, party.min_members)
         ledger = pinned_client.Ledger(Path(str(stored["state_dir"])), directory.run)
         with ledger.lock():  # a round trained among other participants is refused at once
             ledger.check(client, round_id, participants, agreed)
@@ -181,7 +182,6 @@ def train(msg: Message, context: Context) -> Message:
         mask_seed = pinned_client.mask_seed(
             bytes(stored["private_key"]), directory.run, round_id, agreed, digest
         )
-    party = _party(cfg, client, context)
     public_key = party.start_round(round_id, participants, layout.flatten(update))
     _save(context, party)
     reply = {
@@ -261,6 +261,7 @@ def sa_batch(msg: Message, context: Context) -> Message:
     )
     directory = sealed_nodes.directory_of(stored)
     mine = [q for q in batch.queries if client in q.members]
+    party = _party(cfg, client, context)
     if directory is not None:
         pinned_client.check_round(directory, batch.round, cfg.fl.rounds, client)
         trained = context.state.config_records.get(_AGREED)
@@ -297,9 +298,8 @@ def sa_batch(msg: Message, context: Context) -> Message:
                 "pins the sealed mode: one aggregate a round)"
             )
         sizes = {int(k): int(v) for k, v in json.loads(str(trained["sizes"])).items()}
-        threshold = _party(cfg, client, context).min_members
         for q in mine:
-            pinned_client.check_members(client, q.members, sizes, threshold)
+            pinned_client.check_members(client, q.members, sizes, party.min_members)
             # The sum is over every participant of the round, as the shares it sealed to the
             # servers name them: the servers' total is then this sum, not a second one.
             if sorted(q.members) != sorted(sizes):
@@ -308,7 +308,6 @@ def sa_batch(msg: Message, context: Context) -> Message:
                     f"round's participants are {sorted(sizes)} (its directory pins one "
                     "aggregate over all of them)"
                 )
-    party = _party(cfg, client, context)
     flat = None
     if _PARTY in context.state.config_records:
         saved = context.state.config_records[_PARTY]

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from ..attribution.round_folder import write_atomic
 from ..errors import UserError
 from ..fl.aggregate import sa_scales
 from ..models.filelock import file_lock
@@ -75,9 +76,10 @@ def check_train(
     own_size: int,
     participants: Sequence[int],
     scale: float,
-) -> None:
+) -> dict[int, int]:
     """Refuse a ``train`` message whose participants' sizes are not signed by them, whose size
-    for this client is not its own, or whose scale is not the one the sizes give."""
+    for this client is not its own, or whose scale is not the one the sizes give; returns the
+    participants' verified sizes."""
     if len(set(participants)) != len(participants) or client not in participants:
         raise QueryRefused(
             f"client {client} refused: the round's participants {list(participants)} must be "
@@ -96,18 +98,20 @@ def check_train(
             what,
         )
         sizes.append(int(raw))
-    mine = sizes[list(participants).index(client)]
+    at = list(participants).index(client)
+    mine = sizes[at]
     if mine != own_size:
         raise QueryRefused(
             f"client {client} refused: the coordinator gives its data size as {mine}; it holds "
             f"{own_size} usable examples"
         )
-    expected = sa_scales(sizes)[list(participants).index(client)]
+    expected = sa_scales(sizes)[at]
     if not math.isclose(scale, expected, rel_tol=1e-12, abs_tol=0.0):
         raise QueryRefused(
             f"client {client} refused: the coordinator gives it the scale {scale!r}; the "
             f"participants' signed data sizes give {expected!r}"
         )
+    return dict(zip((int(p) for p in participants), sizes, strict=True))
 
 
 def round_digest(state: Mapping[str, np.ndarray], participants: Sequence[int]) -> str:
@@ -242,12 +246,14 @@ class Ledger:
             "update": update,
         }
         data = {"run": self.run, "rounds": {str(r): e for r, e in sorted(rounds.items())}}
-        temporary = self.path.with_name(self.path.name + ".tmp")
-        with open(temporary, "w") as handle:
-            handle.write(json.dumps(data))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, self.path)
+
+        def write(temporary: Path) -> None:
+            with open(temporary, "w") as handle:
+                handle.write(json.dumps(data))
+                handle.flush()
+                os.fsync(handle.fileno())
+
+        write_atomic(self.path, write)
         try:  # the rename itself, durable
             folder = os.open(self.path.parent, os.O_RDONLY)
         except OSError:
