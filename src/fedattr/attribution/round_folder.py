@@ -67,6 +67,32 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     os.replace(tmp, path)
 
 
+def write_json_durably(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON whole, flushed to disk and renamed in place, the rename synced too.
+
+    For records a later call must find after a crash (a client's ledger, a server's openings):
+    a rename alone can be lost with the power.
+    """
+
+    def write(temporary: Path) -> None:
+        with open(temporary, "w") as handle:
+            handle.write(json.dumps(data))
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    write_atomic(path, write)
+    try:
+        folder = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # a platform that cannot open a folder (Windows) keeps the rename as is
+        return
+    try:
+        os.fsync(folder)
+    except OSError:
+        pass
+    finally:
+        os.close(folder)
+
+
 def _tensors(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in params.items()}
 

@@ -38,7 +38,6 @@ import hashlib
 import hmac
 import json
 import math
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from ..attribution.round_folder import write_atomic
+from ..attribution.round_folder import write_json_durably
 from ..errors import UserError
 from ..fl.aggregate import sa_scales
 from ..models.filelock import file_lock
@@ -246,21 +245,4 @@ class Ledger:
             "update": update,
         }
         data = {"run": self.run, "rounds": {str(r): e for r, e in sorted(rounds.items())}}
-
-        def write(temporary: Path) -> None:
-            with open(temporary, "w") as handle:
-                handle.write(json.dumps(data))
-                handle.flush()
-                os.fsync(handle.fileno())
-
-        write_atomic(self.path, write)
-        try:  # the rename itself, durable
-            folder = os.open(self.path.parent, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(folder)
-        except OSError:
-            pass
-        finally:
-            os.close(folder)
+        write_json_durably(self.path, data)

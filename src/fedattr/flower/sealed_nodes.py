@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
+from ..attribution.round_folder import write_json_durably
 from ..attribution.sealed.parties import (
     check_laws,
     expected_keys,
@@ -238,10 +238,8 @@ def _opened(folder: Path, stored: ConfigRecord) -> dict[str, Any]:
 
 
 def _record(folder: Path, opened: dict[str, Any]) -> None:
-    """Write ``opened.json`` whole or not at all (a crash leaves the previous one)."""
-    temporary = folder / "opened.json.tmp"
-    temporary.write_text(json.dumps(opened))
-    os.replace(temporary, folder / "opened.json")
+    """Write ``opened.json`` whole and durably (a crash leaves the previous one, never half)."""
+    write_json_durably(folder / "opened.json", opened)
 
 
 def read_round(msg: Message, context: Context) -> Message:
