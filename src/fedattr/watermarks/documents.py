@@ -11,10 +11,13 @@ Why the key is still random under the null. A document position that predicts th
 ``x`` is read only at ``x``'s first occurrence in the document (``first_only``): the text before
 it was written without ever using ``x``'s green list, so a model that never trained towards the
 key predicts the same there whatever that list is. The read change of such a model is then
-independent of the list that reads it, row by row, which is what the exact tail assumes. The
-token that really follows ``x`` is green, and the model does not see it at that position. What
-this does not cover — a reference model that has itself learned the documents (later rounds, with
-watermarked clients in the federation) — is measured by the calibration, not assumed.
+independent of the list that reads it, row by row. The token that really follows ``x`` is green,
+and the model does not see it at that position. What this does not cover is measured by the
+calibration, not assumed: the exact tail takes every list independent of the *whole* change,
+while the later rows' contexts, written under the key, follow ``x``'s list (centred row by row,
+its spread and far tail not guaranteed: docs/explanation/calibrated-statistic.md §1b); and a
+reference model that has itself learned the documents (later rounds, with watermarked clients
+in the federation).
 """
 
 from __future__ import annotations
