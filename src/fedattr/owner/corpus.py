@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..attribution.round_folder import write_atomic
 from ..data.loaders import DataError, json_lines, json_lines_values, record_from_mapping
 from ..data.records import Record
 from ..errors import UserError, read_text, require_file, require_writable_folder
@@ -92,14 +92,16 @@ def with_response(row: Mapping[str, Any], text: str) -> dict:
 
 def write_rows(path: Path, rows: Sequence[Mapping], jsonl: bool) -> None:
     """Write then rename (a kill leaves no half-written corpus)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        if jsonl:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        else:
-            json.dump(list(rows), f, ensure_ascii=False, indent=1)
-    os.replace(tmp, path)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            if jsonl:
+                for row in rows:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            else:
+                json.dump(list(rows), f, ensure_ascii=False, indent=1)
+
+    write_atomic(path, write)
 
 
 def _progress(path: Path, header: dict) -> tuple[dict[int, dict | None], int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import pickle
 import shutil
 import zipfile
@@ -23,6 +22,7 @@ import torch
 
 from ..attribution.audit import RoundAudit, audit_file, read_query_log
 from ..attribution.crossround import CrossRoundAudit, audit_cross_round
+from ..attribution.round_folder import write_atomic
 from ..attribution.stouffer import AttributionReport
 from ..config import from_dict, to_dict
 from ..data.loaders import json_lines
@@ -234,9 +234,7 @@ class RunFolder:
     def save_checkpoint(self, payload: dict) -> None:
         """Write then rename: a kill during the write leaves the previous checkpoint intact."""
         self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.checkpoint_path.with_suffix(".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, self.checkpoint_path)
+        write_atomic(self.checkpoint_path, lambda tmp: torch.save(payload, tmp))
 
     def load_checkpoint(self) -> dict | None:
         """The last checkpoint, or ``None``; a damaged one is one clear error."""
@@ -276,9 +274,8 @@ class RunFolder:
         build_federation`'s ``documents``), so a resume restores them rather than running the
         teacher again. Write then rename, as the checkpoint."""
         self.documents_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.documents_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(documents, ensure_ascii=False), encoding="utf-8")
-        os.replace(tmp, self.documents_path)
+        text = json.dumps(documents, ensure_ascii=False)
+        write_atomic(self.documents_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
     def load_documents(self) -> dict:
         """The teacher's documents an earlier session of this run kept; ``{}`` when there are
