@@ -160,6 +160,44 @@ def test_bench_scoring_compares_stacked_and_one_at_a_time_reads(tiny_cache, tmp_
     assert "--candidates: must be >= 2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("batched", ["true", "false"])
+def test_bench_training_sets_a_round_against_its_matrix_products(
+    tiny_cache, tmp_path, capsys, batched
+):
+    from fedattr.fl.federation import clean_data, partition_records
+    from fedattr.models.loading import load_model
+    from fedattr.models.text import encode_examples
+
+    out = tmp_path / "training"
+    args = ["bench", "training", "--repeats", "2", "--out", str(out), "--json"]
+    for s in _small(tiny_cache, f"fl.batched={batched}"):
+        args += ["--set", s]
+    assert main(args) == 0
+    fig = json.loads(capsys.readouterr().out)
+    assert fig["batched"] is (batched == "true") and fig["clients"] == 4
+    assert len(fig["rounds_s"]) == 2 and fig["round_s"] > 0
+    # The round's tokens, counted apart: every client's examples, once per local epoch.
+    cfg = load(RunConfig, None, _small(tiny_cache))
+    _, tok = load_model(cfg.model)
+    records, _ = clean_data(cfg.data, cfg.watermark, cfg.fl.K)
+    shards = partition_records(records, cfg.data, cfg.fl.K)
+    lengths = sum(len(e.input_ids) for s in shards for e in encode_examples(tok, s, 64))
+    assert fig["tokens"] == cfg.fl.train.epochs * lengths
+    # Only matrix products are counted, the forward's and the backward's.
+    ops = fig["matmul_flops_by_op"]
+    assert set(ops) <= {"aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm"} and ops
+    assert fig["matmul_flops"] == sum(ops.values()) > 0
+    rate = fig["machine"]
+    assert rate["flops_per_s"] == max(rate["by_shape"].values()) > 0
+    assert "1024x1024x1024" in rate["by_shape"]
+    assert fig["floor_s"] == pytest.approx(fig["matmul_flops"] / rate["flops_per_s"])
+    assert fig["headroom"] == pytest.approx(fig["round_s"] / fig["floor_s"])
+    assert json.loads((out / "training.json").read_text()) == fig
+    assert "round / floor" in (out / "training.md").read_text()
+    assert main(["bench", "training", "--repeats", "0"]) == 2
+    assert "--repeats: must be >= 1" in capsys.readouterr().err
+
+
 def test_overlapped_scoring_on_a_model_copy_gives_the_same_results(tiny_cache, tmp_path):
     from fedattr.reporting.run_folder import RunFolder
 

@@ -1,4 +1,5 @@
-"""``fedattr bench``: SA backends, one run's stages, and the reading detector, timed."""
+"""``fedattr bench``: SA backends, one run's stages, a round's training against its
+arithmetic floor, the reading detector and the verdict, timed."""
 
 from __future__ import annotations
 
@@ -57,6 +58,22 @@ def _cmd_bench_scoring(args: argparse.Namespace) -> int:
         (out / "scoring.json").write_text(json.dumps(rows, indent=2))
         (out / "scoring.md").write_text(format_scoring(rows) + "\n")
     print(json.dumps(rows, indent=2) if args.json else format_scoring(rows))
+    return 0
+
+
+def _cmd_bench_training(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..experiments.bench_training import bench_training, format_training
+
+    cfg = load_run_config(args, args.preset)
+    fig = bench_training(cfg, args.repeats, say)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "training.json").write_text(json.dumps(fig, indent=2))
+        (out / "training.md").write_text(format_training(fig) + "\n")
+    print(json.dumps(fig, indent=2) if args.json else format_training(fig))
     return 0
 
 
@@ -143,6 +160,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     bsc.add_argument("--out", help="folder for scoring.md and scoring.json")
     bsc.add_argument("--json", action="store_true", help="print the timings as JSON")
     bsc.set_defaults(func=_cmd_bench_scoring)
+    bt = bench_sub.add_parser(
+        "training",
+        help="one round of local training, timed, beside the least time its matrix products "
+        "take at this machine's best matrix-product rate (what no scheduling can beat)",
+    )
+    bt.add_argument("--preset", default="tiny", help=PRESET_HELP)
+    bt.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
+    config_options(bt, "a .json or .toml run configuration")
+    bt.add_argument("--out", help="folder for training.md and training.json")
+    bt.add_argument("--json", action="store_true", help="print the figures as JSON")
+    bt.set_defaults(func=_cmd_bench_training)
     bv = bench_sub.add_parser(
         "verdicts",
         help="the calibrated statistic's verdict on synthetic changes of a run's size (no model): "

@@ -75,7 +75,7 @@ def watermarked_clients(wm: WatermarkConfig, K: int, seed: int) -> list[int]:
 
 def detection_records(data: DataConfig, wm: WatermarkConfig) -> list[Record]:
     """The held-out detection texts of a configuration (what its scorers read)."""
-    return _clean_data(data, wm)[1]
+    return clean_data(data, wm)[1]
 
 
 def _held_out(d: DataConfig, wm: WatermarkConfig, n: int) -> int:
@@ -98,9 +98,11 @@ def check_client_records(d: DataConfig, wm: WatermarkConfig, n: int, K: int) -> 
     )
 
 
-def _clean_data(
+def clean_data(
     d: DataConfig, wm: WatermarkConfig, K: int | None = None
 ) -> tuple[list[Record], list[Record]]:
+    """The clients' clean records and the held-out detection texts of a configuration
+    (``K``: checked to leave every client records, where the data is a file)."""
     if d.path:
         pool = load_records(d.path, d.split)
         if K is not None:
@@ -114,6 +116,15 @@ def _clean_data(
     return generate_corpus(d.records, seed=d.seed + 1), generate_corpus(
         wm.detect.prompts, seed=d.seed + 2
     )
+
+
+def partition_records(records: list[Record], data: DataConfig, K: int) -> list[list[Record]]:
+    """``records`` shared out to ``K`` clients as ``data.partition`` says."""
+    if data.partition == "iid":
+        return partition_iid(records, K, seed=data.seed)
+    if data.partition == "quantity":
+        return partition_quantity(records, K, data.dirichlet_alpha, seed=data.seed)
+    return partition_dirichlet(records, K, data.dirichlet_alpha, seed=data.seed)
 
 
 def build_federation(
@@ -131,14 +142,9 @@ def build_federation(
     ``documents``: a JSON-ready store of the owners' documents, keyed by owner, client and
     seed: those it holds are taken from it (the teacher does not run again for them: a
     resumed run), the others are written and added to it."""
-    records, detect = _clean_data(data, wm, K)
+    records, detect = clean_data(data, wm, K)
     kind = WATERMARKS[wm.kind]
-    if data.partition == "iid":
-        shards = partition_iid(records, K, seed=data.seed)
-    elif data.partition == "quantity":
-        shards = partition_quantity(records, K, data.dirichlet_alpha, seed=data.seed)
-    else:
-        shards = partition_dirichlet(records, K, data.dirichlet_alpha, seed=data.seed)
+    shards = partition_records(records, data, K)
     clients = watermarked_clients(wm, K, seed)
     texts = [f"{r.instruction} {r.input} {r.output}" for r in records + detect]
     owners = kind.owners(wm, len(tokenizer), len(clients), texts)
