@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+from typing import Any
 
 from ..errors import UserError
 from .common import PRESET_HELP, config_options, load_run_config, say
@@ -26,8 +28,6 @@ def _cmd_bench_secagg(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ..experiments.bench import format_pipeline, pipeline_figures
     from ..experiments.main import run_or_reuse
 
@@ -45,36 +45,31 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_scoring(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _report(args: argparse.Namespace, stem: str, figures: Any, markdown: str) -> int:
+    """Write ``STEM.json`` and ``STEM.md`` into ``--out`` (when given) and print one of them."""
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(figures, indent=2))
+        (out / f"{stem}.md").write_text(markdown + "\n")
+    print(json.dumps(figures, indent=2) if args.json else markdown)
+    return 0
 
+
+def _cmd_bench_scoring(args: argparse.Namespace) -> int:
     from ..experiments.bench import bench_scoring, format_scoring
 
     cfg = load_run_config(args, args.preset)
     rows = bench_scoring(cfg, args.candidates, args.repeats, say)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "scoring.json").write_text(json.dumps(rows, indent=2))
-        (out / "scoring.md").write_text(format_scoring(rows) + "\n")
-    print(json.dumps(rows, indent=2) if args.json else format_scoring(rows))
-    return 0
+    return _report(args, "scoring", rows, format_scoring(rows))
 
 
 def _cmd_bench_training(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ..experiments.bench_training import bench_training, format_training
 
     cfg = load_run_config(args, args.preset)
     fig = bench_training(cfg, args.repeats, say)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "training.json").write_text(json.dumps(fig, indent=2))
-        (out / "training.md").write_text(format_training(fig) + "\n")
-    print(json.dumps(fig, indent=2) if args.json else format_training(fig))
-    return 0
+    return _report(args, "training", fig, format_training(fig))
 
 
 def _cmd_bench_verdicts(args: argparse.Namespace) -> int:
