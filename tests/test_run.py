@@ -198,6 +198,26 @@ def test_bench_training_sets_a_round_against_its_matrix_products(
     assert "--repeats: must be >= 1" in capsys.readouterr().err
 
 
+def test_bench_training_trains_the_configured_client_profiles(tiny_cache, capsys):
+    from fedattr.fl.federation import clean_data, partition_records
+    from fedattr.models.loading import load_model
+    from fedattr.models.text import encode_examples
+
+    args = ["bench", "training", "--repeats", "1", "--json"]
+    for s in _small(tiny_cache, 'fl.clients=[{"ids": [0], "epochs": 1}]'):
+        args += ["--set", s]
+    assert main(args) == 0
+    fig = json.loads(capsys.readouterr().out)
+    cfg = load(RunConfig, None, _small(tiny_cache))
+    _, tok = load_model(cfg.model)
+    records, _ = clean_data(cfg.data, cfg.watermark, cfg.fl.K)
+    shards = partition_records(records, cfg.data, cfg.fl.K)
+    lengths = [sum(len(e.input_ids) for e in encode_examples(tok, s, 64)) for s in shards]
+    # Client 0 trains one epoch, the others fl.train.epochs (2).
+    assert cfg.fl.train.epochs == 2
+    assert fig["tokens"] == lengths[0] + 2 * sum(lengths[1:])
+
+
 def test_overlapped_scoring_on_a_model_copy_gives_the_same_results(tiny_cache, tmp_path):
     from fedattr.reporting.run_folder import RunFolder
 

@@ -1,17 +1,18 @@
 """``fedattr bench training``: one round of a configuration's local training, timed, beside
 the least time its arithmetic can take on this machine.
 
-The round is the run's own (the in-process pool, ``fl.batched`` as configured, every client
-from the same global state, the clean shards of ``data``): a warm-up round, then ``repeats``
-timed rounds. Its arithmetic is counted once more under :class:`~torch.utils.flop_counter.
-FlopCounterMode` (untimed): the matrix products of the forward and backward passes, exactly,
-as torch dispatches them (attention kernels it does not count are left out, so the count is a
-lower bound on the work). The machine's rate is the best of a few timed matrix products in the
-model's dtype, on its device and threads, of the model's own shapes and one large square one.
-The *floor* is the counted work at that rate: no scheduling of the same arithmetic (batching,
-fusion, compilation) trains the round faster, so ``round / floor`` bounds what any of them can
-gain; a larger gain needs less arithmetic (fewer tokens, padding, rank, or a cheaper
-precision).
+The round is the run's own (the in-process pool, ``fl.batched`` and the clients' profiles
+``fl.clients`` as configured, every client from the same global state, the clean shards of
+``data``: the watermarked clients train on their clean records, no teacher runs): a warm-up
+round, then ``repeats`` timed rounds. Its arithmetic is counted once more under
+:class:`~torch.utils.flop_counter.FlopCounterMode` (untimed): the matrix products of the
+forward and backward passes, exactly, as torch dispatches them (attention kernels it does not
+count are left out, so the count is a lower bound on the work). The machine's rate is the best
+of a few timed matrix products in the model's dtype, on its device and threads, of the model's
+own shapes and one large square one. The *floor* is the counted work at that rate: no
+scheduling of the same arithmetic (batching, fusion, compilation) trains the round faster, so
+``round / floor`` bounds what any of them can gain; a larger gain needs less arithmetic (fewer
+tokens, padding, rank, or a cheaper precision).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _model_shapes(model) -> list[tuple[int, int, int]]:
 def bench_training(cfg: Any, repeats: int, say: Callable[[str], None]) -> dict[str, Any]:
     """Time one round of ``cfg``'s local training (median of ``repeats``), count its matrix
     products, and set them against this machine's matrix-product rate (module docstring)."""
-    from ..fl.federation import clean_data, partition_records
+    from ..fl.clients import resolve_profiles
+    from ..fl.federation import clean_data, partition_records, watermarked_clients
     from ..fl.inprocess import InProcessPool
     from ..fl.progress import Progress
     from ..fl.registry import make_strategy
@@ -94,14 +96,10 @@ def bench_training(cfg: Any, repeats: int, say: Callable[[str], None]) -> dict[s
     model = attach_lora(model, cfg.lora, seed=cfg.fl.seed)
     server, client = make_strategy(cfg.fl, cfg.lora)
     state = server.initial_state(model)
-    pool = InProcessPool(
-        model,
-        examples,
-        client,
-        cfg.fl.train,
-        tokenizer.pad_token_id,
-        seed=cfg.fl.seed,
-        batched=cfg.fl.batched,
+    marked = watermarked_clients(cfg.watermark, cfg.fl.K, cfg.fl.seed)
+    profiles = resolve_profiles(cfg.fl.clients, cfg.fl.K, marked, cfg.fl.seed)
+    pool = InProcessPool.from_config(
+        model, examples, client, cfg.fl, tokenizer.pad_token_id, profiles
     )
     device = next(model.parameters()).device
     participants = list(range(cfg.fl.K))

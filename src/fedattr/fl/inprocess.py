@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..models.batched import (
     ClientJob,
@@ -24,6 +24,9 @@ from .pool import ClientPool, PlaintextTap, require_usable_examples
 from .progress import Progress
 from .strategy import ClientStrategy
 from .timing import Stopwatch
+
+if TYPE_CHECKING:
+    from .config import FLConfig
 
 
 class InProcessPool(ClientPool):
@@ -74,6 +77,29 @@ class InProcessPool(ClientPool):
         self._params = trainable_lora_parameters(model)
         self._sizes = sizes
         self._tap: PlaintextTap | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        model: Any,
+        examples: Sequence[Sequence[Example]],
+        strategy: ClientStrategy,
+        fl: FLConfig,
+        pad_id: int,
+        profiles: Profiles,
+    ) -> InProcessPool:
+        """The pool a run's ``fl`` section describes: its training settings, seed and
+        ``batched``, with the clients' ``profiles`` resolved from ``fl.clients``."""
+        return cls(
+            model,
+            examples,
+            strategy,
+            fl.train,
+            pad_id,
+            seed=fl.seed,
+            profiles=profiles,
+            batched=fl.batched,
+        )
 
     @property
     def num_clients(self) -> int:

@@ -410,15 +410,8 @@ def run_experiment(
     state = server.initial_state(model)
     if pool is None:
         examples = [encode_examples(tokenizer, s, cfg.data.max_len) for s in fed.shards]
-        pool = InProcessPool(
-            model,
-            examples,
-            client,
-            cfg.fl.train,
-            tokenizer.pad_token_id,
-            seed=cfg.fl.seed,
-            profiles=profiles,
-            batched=cfg.fl.batched,
+        pool = InProcessPool.from_config(
+            model, examples, client, cfg.fl, tokenizer.pad_token_id, profiles
         )
     wm = cfg.watermark
 
