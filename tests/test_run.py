@@ -1,12 +1,19 @@
+import copy
 import json
 
 import pytest
+import torch
 
+from conftest import MICRO_TINY
 from conftest import small_overrides as _small
 from fedattr.cli import main
 from fedattr.config import load, to_dict
+from fedattr.models.config import ModelConfig, TinyModelConfig
+from fedattr.models.loading import load_model, weights_digest
+from fedattr.models.tiny import ensure_tiny
 from fedattr.pipeline.config import RunConfig
 from fedattr.pipeline.run import run_experiment
+from fedattr.runtime import cpu_name
 
 
 @pytest.mark.parametrize(
@@ -63,6 +70,11 @@ def test_run_cli_writes_folder_and_rejects_bad_input(tiny_cache, tmp_path, capsy
     assert not any("device_busy" in row for row in profile.values())
     assert res["training"] == {"batched": True}  # the embedded default's clients, together
     assert "| verdict_s |" in (out / "report.md").read_text()
+    # The weights the run started from, the CPU and torch: a seed's run is the same only there.
+    path = ensure_tiny(TinyModelConfig(**MICRO_TINY), tiny_cache)
+    started = load_model(ModelConfig(preset="hf", name_or_path=str(path), device="cpu"))[0]
+    assert res["model"]["weights"] == weights_digest(started)
+    assert res["model"]["cpu"] == cpu_name() and res["model"]["torch"] == torch.__version__
     capsys.readouterr()
     assert main(["run", "--set", "fl.strategy=fedavg"]) == 2
     assert "fl.strategy: unknown 'fedavg'; allowed: fedit, flora" in capsys.readouterr().err
@@ -353,3 +365,16 @@ def test_without_the_optional_extras_runs_keep_their_results_and_say_what_to_ins
     assert not (tmp_path / "b").exists()
     assert main(["experiment", "calibration", "--out", str(tmp_path / "c")]) == 2
     assert "needs matplotlib: pip install 'fedattr[plots]'" in capsys.readouterr().err
+
+
+def test_weights_digest_tells_weights_apart_to_the_last_bit():
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    b = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    b.load_state_dict(a.state_dict())
+    assert weights_digest(a) == weights_digest(b)
+    with torch.no_grad():  # one float one unit in the last place away
+        b[0].weight[1, 2] = torch.nextafter(b[0].weight[1, 2], torch.tensor(1.0))
+    assert weights_digest(a) != weights_digest(b)
+    # The dtype counts too: the same values in float64 are other weights for a run.
+    assert weights_digest(a) != weights_digest(copy.deepcopy(a).double())

@@ -29,6 +29,20 @@ def available_cpus() -> int:
     return max(1, n)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; elsewhere what :mod:`platform` says): runs on
+    two CPUs can differ in their floats, so a run's results say which one computed them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def available_memory() -> int | None:
     """Bytes of memory this process may still take: the kernel's ``MemAvailable``, capped by
     a cgroup v2 memory limit; ``None`` when neither can be read."""

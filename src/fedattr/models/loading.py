@@ -6,6 +6,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -357,6 +358,19 @@ def _is_terminal(stream: object) -> bool:
         return bool(stream.isatty())  # type: ignore[attr-defined]
     except (AttributeError, ValueError):  # no such method, or a closed stream
         return False
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A short SHA-256 of every parameter and buffer (names, dtypes, shapes and bytes): two
+    runs started from the same weights have the same digest. The tiny preset is pre-trained
+    on the machine that first runs it, so two machines' tiny models differ in their floats;
+    the digest in ``results.json`` says which one a run started from."""
+    h = hashlib.sha256()
+    for name, t in sorted(itertools.chain(model.named_parameters(), model.named_buffers())):
+        data = t.detach().reshape(-1).contiguous()
+        h.update(f"{name}:{data.dtype}:{tuple(t.shape)};".encode())
+        h.update(data.view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def load_model(cfg: ModelConfig, progress: Callable[[str], None] | None = None):

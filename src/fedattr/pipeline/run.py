@@ -42,12 +42,12 @@ from ..fl.registry import make_strategy
 from ..fl.server import Checkpointer, Observer, RoundEngine, Stopwatch
 from ..fl.synthetic import SyntheticPool
 from ..fl.timing import overhead
-from ..models.loading import load_model, resolve_device
+from ..models.loading import load_model, resolve_device, weights_digest
 from ..models.lora import attach_lora, candidate_stacker, load_state
 from ..models.text import encode_examples
 from ..reporting.markdown import run_report
 from ..reporting.run_folder import RunFolder
-from ..runtime import take_note
+from ..runtime import cpu_name, take_note
 from ..secagg import SecureAggregator, make_aggregator
 from ..watermarks.registry import WATERMARKS, DetectionSetup, Detector
 from .config import DemoConfig, RunConfig, require_in_process
@@ -392,6 +392,7 @@ def run_experiment(
     saved = folder.load_checkpoint() if folder is not None else None
     with timing.measure("load_s"):
         model, tokenizer = load_model(cfg.model, say)
+        weights = weights_digest(model)  # before training: FLoRA merges into these weights
     # The teacher's documents of an earlier session of this run: restored, not written again.
     documents = folder.load_documents() if folder is not None else {}
     restored = bool(documents)
@@ -536,6 +537,11 @@ def run_experiment(
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             # what model.dtype resolved to (auto: bfloat16 only on a GPU computing in it)
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            # What a seed's run depends on beyond its configuration: the same code gives other
+            # floats on another CPU, and the tiny preset is pre-trained where it first runs.
+            "weights": weights,
+            "cpu": cpu_name(),
+            "torch": torch.__version__,
         },
     }
     baselines = recorder.results(truth) if cfg.baselines else []
