@@ -51,6 +51,49 @@ def test_every_relative_link_resolves() -> None:
     assert not broken, "links to missing files:\n" + "\n".join(broken)
 
 
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: its text lower-cased, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link reads as its text
+    text = text.replace("`", "").replace("*", "").lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    """Every heading's anchor on a page, with GitHub's -1, -2 suffixes for repeats."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    for heading in _HEADING.findall(_FENCE.sub("", text)):
+        slug = _slug(heading)
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_anchor_names_a_heading() -> None:
+    """A link's #anchor names a heading of the page it links to (GitHub's slugs)."""
+    broken = []
+    for page in _pages():
+        for target in _targets(page.read_text(encoding="utf-8")):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or "#" not in target:
+                continue
+            path, anchor = target.split("#", 1)
+            linked = (page.parent / path) if path else page
+            if linked.suffix != ".md" or not linked.is_file():
+                continue  # a missing file is the link test's to report
+            if anchor not in _anchors(linked.read_text(encoding="utf-8")):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, "links to missing headings:\n" + "\n".join(broken)
+
+
+def test_slugs_are_githubs() -> None:
+    text = '# A `b.c = "d"` (e, f)\n## Same\n## Same\n```\n# not a heading\n```\n'
+    assert _anchors(text) == {"a-bc--d-e-f", "same", "same-1"}
+    assert _slug("Few clients (K = 5, 2026-11-29)") == "few-clients-k--5-2026-11-29"
+
+
 def test_link_check_sees_links() -> None:
     """The checker finds links and images, and skips code."""
     text = "[a](x.md) ![b](img/y.png) [c](z.md#part) `[d](no.md)`\n```\n[e](no.md)\n```\n"
