@@ -3,7 +3,9 @@ README short and in step with CI, and the library example runnable."""
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,32 +43,37 @@ def test_reference_pages_are_up_to_date(name: str) -> None:
 
 def test_every_relative_link_resolves() -> None:
     broken = []
-    for page in _pages():
-        for target in _targets(page.read_text(encoding="utf-8")):
-            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-                continue  # an absolute URL (https:, mailto:) or an anchor on the same page
-            path = target.split("#", 1)[0].split("?", 1)[0]
-            if not (page.parent / path).exists():
-                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    for page, target in _relative_links():
+        if target.startswith("#"):
+            continue  # an anchor on the same page: the anchor test's
+        path = target.split("#", 1)[0].split("?", 1)[0]
+        if not (page.parent / path).exists():
+            broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, "links to missing files:\n" + "\n".join(broken)
 
 
 _HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 
 
-def _slug(heading: str) -> str:
-    """GitHub's anchor for a heading: its text lower-cased, punctuation dropped, spaces to '-'."""
-    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link reads as its text
-    text = text.replace("`", "").replace("*", "").lower()
-    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+def _relative_links() -> Iterator[tuple[Path, str]]:
+    """Every page's links to files of this repository (not absolute URLs), as written."""
+    for page in _pages():
+        for target in _targets(page.read_text(encoding="utf-8")):
+            if not re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                yield page, target
 
 
-def _anchors(text: str) -> set[str]:
+@functools.cache
+def _anchors(page: Path) -> set[str]:
     """Every heading's anchor on a page, with GitHub's -1, -2 suffixes for repeats."""
+    return _anchors_of(page.read_text(encoding="utf-8"))
+
+
+def _anchors_of(text: str) -> set[str]:
     seen: dict[str, int] = {}
     anchors = set()
     for heading in _HEADING.findall(_FENCE.sub("", text)):
-        slug = _slug(heading)
+        slug = reference.anchor(heading)
         anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
         seen[slug] = seen.get(slug, 0) + 1
     return anchors
@@ -75,23 +82,23 @@ def _anchors(text: str) -> set[str]:
 def test_every_anchor_names_a_heading() -> None:
     """A link's #anchor names a heading of the page it links to (GitHub's slugs)."""
     broken = []
-    for page in _pages():
-        for target in _targets(page.read_text(encoding="utf-8")):
-            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or "#" not in target:
-                continue
-            path, anchor = target.split("#", 1)
-            linked = (page.parent / path) if path else page
-            if linked.suffix != ".md" or not linked.is_file():
-                continue  # a missing file is the link test's to report
-            if anchor not in _anchors(linked.read_text(encoding="utf-8")):
-                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    for page, target in _relative_links():
+        if "#" not in target:
+            continue
+        path, name = target.split("#", 1)
+        linked = (page.parent / path).resolve() if path else page
+        if linked.suffix != ".md" or not linked.is_file():
+            continue  # a missing file is the link test's to report
+        if name not in _anchors(linked):
+            broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, "links to missing headings:\n" + "\n".join(broken)
 
 
 def test_slugs_are_githubs() -> None:
     text = '# A `b.c = "d"` (e, f)\n## Same\n## Same\n```\n# not a heading\n```\n'
-    assert _anchors(text) == {"a-bc--d-e-f", "same", "same-1"}
-    assert _slug("Few clients (K = 5, 2026-11-29)") == "few-clients-k--5-2026-11-29"
+    assert _anchors_of(text) == {"a-bc--d-e-f", "same", "same-1"}
+    assert reference.anchor("Few clients (K = 5, 2026-11-29)") == "few-clients-k--5-2026-11-29"
+    assert reference.anchor("See [the *page*](x.md)") == "see-the-page"
 
 
 def test_link_check_sees_links() -> None:

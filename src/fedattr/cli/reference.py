@@ -174,9 +174,11 @@ def _walk(
         yield from _walk(f"{prog} {name}", sub_help, sub)
 
 
-def _anchor(heading: str) -> str:
-    """GitHub's anchor of a heading."""
-    text = heading.lower().replace("`", "")
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: its text (a link reads as its text, code and emphasis marks
+    dropped) lower-cased, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = text.lower().replace("`", "").replace("*", "")
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
 
@@ -189,7 +191,7 @@ def render_cli(parser: argparse.ArgumentParser | None = None) -> str:
         parser = build_parser()
     commands = list(_walk(parser.prog, parser.description or "", parser))
     index = [
-        [f"[{_code(prog)}](#{_anchor(prog)})", _cell(help_text)]
+        [f"[{_code(prog)}](#{anchor(prog)})", _cell(help_text)]
         for prog, help_text, sub in commands[1:]
         if not _subcommands(sub)
     ]
@@ -221,7 +223,7 @@ def render_cli(parser: argparse.ArgumentParser | None = None) -> str:
             parts.append(
                 "Subcommands: "
                 + ", ".join(
-                    f"[{_code(name)}](#{_anchor(f'{prog} {name}')})" for name, _, _ in children
+                    f"[{_code(name)}](#{anchor(f'{prog} {name}')})" for name, _, _ in children
                 )
                 + "."
             )
