@@ -17,7 +17,8 @@
 # FEDATTR_MARGIN (default 20) for the summary, and a cut run keeps its checkpoint for the next
 # session. Then OUT/calibration.md and OUT/calibration.json: every finished pair so far (who
 # was named at r = 3 and at r = 0, seconds), the share of watermarked clients named and of runs
-# naming a clean client, with exact 95% intervals.
+# naming a wrong pair (a clean client, or a watermarked one for another owner), with exact 95%
+# intervals.
 #
 # Settings: FEDATTR_PRESET (default smollm2-cpu: SmolLM2-135M, 500 records, 64-token sequences;
 # smollm2: the paper's sizes, with the Alpaca subset at FEDATTR_DATA) with watermark.ratio=0.2,
@@ -140,10 +141,15 @@ for seed in seeds:
         d = json.loads(f.read_text())
         marked = sorted(c["id"] for c in d["clients"] if c["watermarked"])
         named = sorted(c["id"] for c in d["clients"] if c["flagged"])
+        # Every (client, owner) pair named where the client did not train on that owner's
+        # documents: a clean client, or a watermarked one named for another owner.
+        wrong = d.get("wrong_pairs")
+        if wrong is None:  # a record from before results.json listed them
+            wrong = [[c, None] for c in sorted(set(named) - set(marked))]
         pair[f"r{r}"] = {
             "watermarked": marked,
             "named": named,
-            "clean_named": sorted(set(named) - set(marked)),
+            "wrong_pairs": wrong,
             "seconds": d["timing"]["total_s"],
             "train_s": d["timing"]["train_s"],
         }
@@ -151,12 +157,12 @@ for seed in seeds:
 marked = sum(len(p["r3"]["watermarked"]) for p in pairs)
 hits = sum(len(set(p["r3"]["named"]) & set(p["r3"]["watermarked"])) for p in pairs)
 runs = 2 * len(pairs)
-wrong = sum(bool(p[f"r{r}"]["clean_named"]) for p in pairs for r in (3, 0))
+wrong = sum(bool(p[f"r{r}"]["wrong_pairs"]) for p in pairs for r in (3, 0))
 summary = {
     "preset": preset,
     "pairs": len(pairs),
     "watermarked_named": [hits, marked, clopper_pearson(hits, marked) if marked else None],
-    "runs_naming_a_clean_client": [wrong, runs, clopper_pearson(wrong, runs) if runs else None],
+    "runs_naming_a_wrong_pair": [wrong, runs, clopper_pearson(wrong, runs) if runs else None],
     "by_seed": pairs,
 }
 (out / "calibration.json").write_text(json.dumps(summary, indent=2))
@@ -167,7 +173,7 @@ lines = [
     f"# SmolLM2 calibration ({preset}): {len(pairs)} finished (r = 3, r = 0) pairs",
     "",
     f"- watermarked clients named at r = 3: {fmt(hits, marked)}",
-    f"- runs naming a clean client (r = 3 and r = 0): {fmt(wrong, runs)}",
+    f"- runs naming a wrong pair (r = 3 and r = 0): {fmt(wrong, runs)}",
     "",
     "| seed | watermarked (r = 3) | named (r = 3) | named (r = 0) | seconds (r = 3, r = 0) |",
     "|---|---|---|---|---|",

@@ -116,7 +116,14 @@ def test_the_calibration_script_runs_pairs_within_its_budget_and_keeps_them(tiny
     assert pair["seed"] == 3 and pair["seconds"] > 0
     cal = json.loads((out / "calibration.json").read_text())
     assert cal["pairs"] == 1 and cal["by_seed"][0]["r3"]["watermarked"]
-    assert cal["runs_naming_a_clean_client"][1] == 2
+    assert cal["runs_naming_a_wrong_pair"][1] == 2
+    # The count is of runs whose results.json lists a wrong pair (here: the runs' own lists).
+    lists = [
+        json.loads((out / f"r{r}-seed3" / "results.json").read_text())["wrong_pairs"]
+        for r in (3, 0)
+    ]
+    assert cal["runs_naming_a_wrong_pair"][0] == sum(bool(w) for w in lists)
+    assert [cal["by_seed"][0][f"r{r}"]["wrong_pairs"] for r in (3, 0)] == lists
     assert "1 finished (r = 3, r = 0) pairs" in (out / "calibration.md").read_text()
     stamp = (out / "r3-seed3" / "results.json").stat().st_mtime_ns
     # Again with seed 4 added and less time left than a pair took: seed 3 kept, seed 4 not
