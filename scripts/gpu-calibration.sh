@@ -124,7 +124,7 @@ import json
 import sys
 from pathlib import Path
 
-from fedattr.experiments.calibration import clopper_pearson
+from fedattr.experiments.calibration import clopper_pearson, wrong_pairs
 
 out, preset = Path(sys.argv[1]), sys.argv[2]
 rows, pairs = [], []
@@ -142,10 +142,10 @@ for seed in seeds:
         marked = sorted(c["id"] for c in d["clients"] if c["watermarked"])
         named = sorted(c["id"] for c in d["clients"] if c["flagged"])
         # Every (client, owner) pair named where the client did not train on that owner's
-        # documents: a clean client, or a watermarked one named for another owner.
-        wrong = d.get("wrong_pairs")
-        if wrong is None:  # a record from before results.json listed them
-            wrong = [[c, None] for c in sorted(set(named) - set(marked))]
+        # documents (a clean client, or a watermarked one named for another owner), by the
+        # rule `fedattr experiment calibration` counts with, owner by owner as results.json
+        # lists them; it reads records from before results.json listed them too.
+        wrong = [[c, o] for c, o in sorted(wrong_pairs(d, d), key=lambda p: (p[1], p[0]))]
         pair[f"r{r}"] = {
             "watermarked": marked,
             "named": named,
