@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -255,9 +257,7 @@ def _reread(folders: Sequence[Path], spec: CalibrationSpec, say: Callable[[str],
             found.append(reread_run(folder))
             tell(i, folder)
         return found
-    with ProcessPoolExecutor(
-        spec.jobs, mp_context=get_context("spawn"), initializer=_one_thread
-    ) as pool:
+    with _pool(spec.jobs) as pool:
         futures = {pool.submit(reread_run, f): i for i, f in enumerate(folders)}
         out: list = [None] * len(folders)
         for n, fut in enumerate(as_completed(futures), 1):
@@ -266,12 +266,30 @@ def _reread(folders: Sequence[Path], spec: CalibrationSpec, say: Callable[[str],
         return out
 
 
-def _one_thread() -> None:
+def _pool(jobs: int) -> ProcessPoolExecutor:
+    """``jobs`` worker processes, one thread each, that leave when this process does."""
+    return ProcessPoolExecutor(
+        jobs, mp_context=get_context("spawn"), initializer=_worker, initargs=(os.getpid(),)
+    )
+
+
+def _worker(parent: int) -> None:
     # Each parallel run takes one core: processes that each take all of them slow each other.
     os.environ["FEDATTR_THREADS"] = "1"
     import torch
 
     torch.set_num_threads(1)
+    # A calibration stopped by ``kill`` (Ctrl-C reaches the whole process group, kill does not)
+    # would leave its workers finishing their runs for minutes beside whatever comes next.
+    threading.Thread(target=_leave_with, args=(parent,), daemon=True).start()
+
+
+def _leave_with(parent: int, every: float = 0.5) -> None:
+    """Exit this process once ``parent`` is no longer its parent; the run it was in resumes
+    from its checkpoint when the calibration is started again."""
+    while os.getppid() == parent:
+        time.sleep(every)
+    os._exit(1)
 
 
 def run_calibration(
@@ -291,9 +309,7 @@ def run_calibration(
                 say(f"[{i}/{len(plan)}] {folder.name}: done")
     else:
         out.mkdir(parents=True, exist_ok=True)
-        with ProcessPoolExecutor(
-            spec.jobs, mp_context=get_context("spawn"), initializer=_one_thread
-        ) as pool:
+        with _pool(spec.jobs) as pool:
             futures = {
                 pool.submit(_one_run, spec, r, seed, out / f"r{r}-seed{seed}"): f"r{r}-seed{seed}"
                 for r, seed in plan
@@ -580,7 +596,6 @@ def tail_check(
     hears one line per change checked (a vocabulary-sized one takes minutes on a CPU)."""
     import itertools
     import json
-    import time
 
     import torch
     from safetensors.torch import load_file
