@@ -5,10 +5,11 @@ under the other owners' keys, from runs with no watermarked client (``r = 0``) a
 Every run carries the calibrated statistic and, on the same training run, the paper's
 (``variants``), so both are read on the same estimates. Writes ``calibration.json``,
 ``calibration.md`` (empirical FPR at alpha in {0.05, 0.01, 0.001} with exact binomial 95%
-intervals; at the level the product uses, the share of runs that name any clean client, with
-its exact interval; the family-wise TPR) and ``qq.png`` (null p-values against uniform). One
-run folder per (r, seed); re-running resumes; ``jobs`` runs them in parallel processes, one
-thread each.
+intervals; at the level the product uses, the share of runs that name any wrong pair (a clean
+client, or a watermarked client for another owner), with its exact interval; the family-wise
+TPR) and ``qq.png`` (null p-values against uniform). One run folder per (r, seed);
+re-running resumes; ``jobs`` runs them in parallel processes, one thread each, which leave
+when the calibration does.
 
 :func:`tail_check` compares the exact tail the verdict reads with tilted Monte Carlo over
 random keys on the change matrices saved by real runs (``changes.safetensors``).
