@@ -36,6 +36,7 @@ def test_a_killed_calibration_takes_its_workers_with_it(tmp_path):
     script = tmp_path / "calibrate.py"
     script.write_text(SCRIPT)
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    worker = None
     try:
         worker = int(parent.stdout.readline())
         time.sleep(1.0)  # the long task is running
@@ -49,3 +50,5 @@ def test_a_killed_calibration_takes_its_workers_with_it(tmp_path):
     finally:
         parent.kill()
         parent.stdout.close()
+        if worker is not None and _alive(worker):  # a failed run leaves no sleeper behind
+            os.kill(worker, signal.SIGKILL)
