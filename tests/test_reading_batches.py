@@ -291,6 +291,32 @@ def test_shared_prompts_are_read_once_with_the_same_log_probabilities(micro):
     assert torch.allclose(mixed, want, atol=1e-4)
 
 
+def test_a_shared_prompt_passes_its_cache_under_the_keyword_the_model_takes(micro):
+    """The prompt's cache goes to the forward under the keyword the installed transformers
+    names in its signature (``cache`` since it renamed ``past_key_values``, which it warns
+    about and will drop), bare or behind a peft wrapper, and nothing warns of the old name."""
+    import copy
+    import inspect
+    import warnings
+
+    from fedattr.models.config import LoRAConfig
+    from fedattr.models.lora import attach_lora
+    from fedattr.models.reading import cache_keyword, sequence_logprobs
+
+    model, tok = micro
+    params = inspect.signature(type(model).forward).parameters
+    want = "cache" if "cache" in params else "past_key_values"
+    assert want in params
+    wrapped = attach_lora(copy.deepcopy(model), LoRAConfig(r=4, alpha=8), seed=4)
+    assert cache_keyword(model) == cache_keyword(wrapped) == want
+    seqs = [([5, 6, 7, 8, 9 + k], 4) for k in range(3)]
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for m in (model, wrapped):
+            sequence_logprobs(m, seqs, tok.pad_token_id, batch_size=4, group=3)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+
+
 def test_a_forked_prefix_cache_shares_its_tensors_and_leaves_them_intact():
     """Each continuation batch of a shared prompt reads from a fork of the prompt's cache: the
     fork holds the same key/value tensors (no copy), and selecting rows of it and appending

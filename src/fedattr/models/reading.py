@@ -11,6 +11,7 @@ matmul of a small model and a large-vocabulary one alike, only at the positions 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -81,14 +82,15 @@ def logits_at(
     dimension, as a stacked LoRA head needs); a model without one, or whose output layer does
     not receive one hidden state per input position, computes every position's logits and the
     rows are taken from them (the same values). Logits of any other shape are an error, never
-    rows picked from the wrong positions. ``model_inputs`` go to the model as they are
-    (``past_key_values``, ``position_ids``); without a cache among them, a model configured to
-    build one (a Hugging Face config's ``use_cache``) is told not to: a read or a training step
-    never uses it again, and filling it cost 8% of a read of the embedded default's model.
+    rows picked from the wrong positions. ``model_inputs`` go to the model as they are (a
+    cache under :func:`cache_keyword`, ``position_ids``); without a cache among them, a model
+    configured to build one (a Hugging Face config's ``use_cache``) is told not to: a read or a
+    training step never uses it again, and filling it cost 8% of a read of the embedded
+    default's model.
     """
     if (
         "use_cache" not in model_inputs
-        and "past_key_values" not in model_inputs
+        and not {"cache", "past_key_values"} & model_inputs.keys()
         and getattr(getattr(model, "config", None), "use_cache", False)
     ):
         model_inputs["use_cache"] = False
@@ -187,13 +189,23 @@ def _part(
     )
 
 
+def cache_keyword(model) -> str:
+    """The keyword under which ``model``'s forward takes a cache: ``cache`` in the
+    transformers versions that renamed it, ``past_key_values`` before (later versions warn
+    about the old name and will drop it). Read from the forward's signature, a peft wrapper's
+    base model's where there is one (a plain callable's own signature otherwise)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(getattr(base, "forward", base)).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class SequenceReader:
     """:func:`sequence_logprobs` of fixed sequences, planned once and read under any model.
 
     ``group``: consecutive blocks of that many sequences share a prompt (one question, its
     candidate answers). Each block's common prefix, up to its earliest scored position, then
     runs through the model once and its keys and values serve every continuation of the
-    block (``past_key_values``, with explicit positions), instead of once per sequence: the
+    block (its cache, with explicit positions), instead of once per sequence: the
     same values up to float rounding. Blocks with no such prefix are read whole. The plan
     (prefixes, batches, padded inputs, read positions) is built here, not at every read.
     """
@@ -238,6 +250,7 @@ class SequenceReader:
         from transformers import DynamicCache
 
         device = next(model.parameters()).device
+        keyword = cache_keyword(model)
         out = torch.zeros(self.size, dtype=torch.float64)
         for part in self._whole:
             _score(model, part, device, out)
@@ -250,14 +263,14 @@ class SequenceReader:
                 ids.to(device),
                 mask,
                 torch.zeros(1, dtype=torch.long, device=device),
-                past_key_values=cache,
                 use_cache=True,
+                **{keyword: cache},
             )
             for n, part in enumerate(parts):
                 past = cache if n == len(parts) - 1 else _fork(cache)
                 rows = part.cache_rows.to(device)
                 past.batch_select_indices(rows)
-                _score(model, part, device, out, past=(past, mask[rows]))
+                _score(model, part, device, out, past=(past, mask[rows], keyword))
         return out
 
 
@@ -297,12 +310,12 @@ def _score(
     model, part: _Part, device: torch.device, out: torch.Tensor, past: tuple | None = None
 ) -> None:
     """``out[part.index]``: each member's scored log-probability sum; its first tokens are
-    already in ``past = (cache, prefix mask)`` when given."""
+    already in ``past = (cache, prefix mask, the forward's cache keyword)`` when given."""
     mask = part.mask.to(device)
     inputs = {}
     if past is not None:
-        cache, prefix_mask = past
-        inputs = {"past_key_values": cache, "position_ids": part.position_ids.to(device)}
+        cache, prefix_mask, keyword = past
+        inputs = {keyword: cache, "position_ids": part.position_ids.to(device)}
         mask = torch.cat([prefix_mask, mask], dim=1)
     logits = logits_at(model, part.ids.to(device), mask, part.rows.to(device), **inputs)
     logp = torch.log_softmax(logits.float(), dim=-1)
