@@ -276,3 +276,86 @@ def test_a_signal_that_varies_across_rounds_can_break_the_demixed_level():
     p = _enumerated_p([0], cv=1.0)
     excess = [np.mean(p[:, i] <= u) - u for i in range(1, p.shape[1]) for u in LEVELS_64]
     assert max(excess) > 0.05
+
+
+class _LearnedScorer(LinearScorer):
+    """A linear owner whose key the reference may have learned from round 2 (as KGW's, FK's)."""
+
+    exchangeable_rounds = 1
+
+
+def _learned_federation(seed, K=8, T=8, n=4, dim=64):
+    """Half the clients a round, two hardened-like targets each: client 0 watermarked (a large
+    key-aligned change in round 1, smaller later), every other client forgetting what the
+    reference learned in the round before (more after a round with client 0), client 1 a
+    free-rider sending nothing."""
+    rng = np.random.default_rng(seed)
+    key = torch.tensor(rng.normal(size=dim))
+    key = key / key.norm()
+    base = torch.tensor(rng.normal(size=(K, dim))) * 0.3
+    rounds, learned = [], 0.0
+    for t in range(T):
+        P = sorted(rng.choice(K, n, replace=False).tolist())
+        common = torch.tensor(rng.normal(size=dim)) * 0.2
+        X = torch.zeros(K, dim, dtype=torch.float64)
+        for j in P:
+            X[j] = base[j] + common + 0.1 * torch.tensor(rng.normal(size=dim))
+            X[j] += (6.0 if t == 0 else 2.0) * key if j == 0 else -learned * key
+        X[1] = 0.0
+        learned = 3.0 * rng.random() if 0 in P else 0.3 * rng.random()
+        targets = sorted(rng.choice(P, 2, replace=False).tolist())
+        rows = []
+        for tg in targets:
+            others = [j for j in P if j != tg]
+            a = rng.normal(size=len(others)) * 0.7
+            rows.append(_Row(tg, dict(zip(others, a - a.mean(), strict=True))))
+        changes = [{PART: sum(c * X[j] for j, c in r.coefficients().items()).float()} for r in rows]
+        rounds.append((P, targets, rows, changes, {PART: X[P].mean(0).float()}))
+    return rounds, _LearnedScorer(key)
+
+
+def _read_learned(seed, **kw):
+    rounds, scorer = _learned_federation(seed)
+    null = CalibratedNull(alpha=0.01, null_keys=0, decorrelate=False, **kw)
+    for t, (P, targets, rows, changes, mean) in enumerate(rounds, 1):
+        null.add_round(null.plan(t, P, targets, rows, scorer), changes, mean, scorer)
+    return null.report({j: j == 0 for j in range(8)}), sorted({j for r in rounds for j in r[0]})
+
+
+def test_a_free_rider_de_mixed_past_round_1_is_named_when_read_and_never_by_default():
+    """Once the reference has learned the key, a free-rider's de-mixed change is nothing but the
+    other clients' round-to-round changes, which depend on the key (forgetting, learning): read
+    against the exact tail it is named in many federations; reported uncalibrated (hardened
+    mode's default) it is never named, and every client is marked uncalibrated."""
+    read = [_read_learned(s, late_demix="read")[0] for s in range(20)]
+    assert sum(1 in r.flagged for r in read) >= 5
+    for s in range(20):
+        rep, members = _read_learned(s, late_demix="uncalibrated")
+        assert not rep.flagged and rep.cross_talk == members
+        assert not any(c.calibrated for c in rep.clients if c.id in members)
+    named, _ = _read_learned(0, late_demix="uncalibrated", name_uncalibrated=True)
+    assert 0 in named.flagged  # reported all the same, and named where asked
+
+
+def test_a_checkpoint_keeps_that_a_late_round_was_de_mixed():
+    rounds, scorer = _learned_federation(3)
+    null = CalibratedNull(alpha=0.01, null_keys=0, decorrelate=False, late_demix="uncalibrated")
+    for t, (P, targets, rows, changes, mean) in enumerate(rounds, 1):
+        null.add_round(null.plan(t, P, targets, rows, scorer), changes, mean, scorer)
+    truth = {j: j == 0 for j in range(8)}
+    resumed = CalibratedNull(alpha=0.01, null_keys=0, decorrelate=False, late_demix="uncalibrated")
+    resumed.load(null.state())
+    resumed.read_with(scorer)
+    assert resumed.report(truth).cross_talk == null.report(truth).cross_talk != []
+
+
+def test_late_demix_defaults_to_uncalibrated_in_hardened_mode_only():
+    def of(mode):
+        return CalibratedNull.of(load(AttributionConfig, None, [f"protocol.mode={mode}"]))
+
+    assert of("hardened").late_demix == "uncalibrated"
+    assert of("paper").late_demix == "read"
+    cfg = load(AttributionConfig, None, ["protocol.mode=hardened", "calibrated.late_demix=read"])
+    assert CalibratedNull.of(cfg).late_demix == "read"
+    with pytest.raises(UserError, match="late_demix"):
+        load(AttributionConfig, None, ["calibrated.late_demix=sometimes"])

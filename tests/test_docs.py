@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,8 +170,10 @@ def test_kept_run_records_are_finished_runs_of_the_command_beside_them() -> None
     for block in _FENCE.finditer((kept / "README.md").read_text(encoding="utf-8")):
         command = block.group(0).replace("\\\n", " ")
         name = re.search(r"records/([^/\s]+)/", command).group(1)
-        bed = re.search(r"--bed (\S+)", command).group(1)
-        sets = re.findall(r"--set (\S+)", command)
+        # As a shell splits it: a quoted --set value may hold spaces.
+        words = shlex.split(command.split("\n", 1)[1].rsplit("\n", 1)[0])
+        bed = words[words.index("--bed") + 1]
+        sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
         folders = sorted((kept / name).glob("r*-seed*"))
         assert folders, f"no run records kept in {name}"
         for folder in folders:

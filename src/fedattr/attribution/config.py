@@ -154,6 +154,17 @@ class CalibratedConfig:
     change; such clients are then uncalibrated and named only under ``name_uncalibrated``. Owner
     scoring (``attribution.scoring = "owner"``, ``fedattr attribute``) always keeps: its rounds
     are combined from the owners' per-round scores."""
+    late_demix: Literal["uncalibrated", "read"] | None = None
+    """The de-mixed evidence (``across_rounds = "demix"``) once a stacked round's reference
+    model may have learned a key (past the detector's exchangeable rounds: round 2 on for KGW
+    and FK). A clean client's de-mixed change carries the other clients' round-to-round changes
+    with known coefficients of either sign; from round 2 those depend on the key (clean clients
+    forget it by amounts that vary from round to round, watermarked clients learn it), so no
+    argument bounds its level. ``uncalibrated``: reported, marked uncalibrated and named only
+    under ``name_uncalibrated``. ``read``: read against the exact tail as calibrated. ``None``
+    (default): ``uncalibrated`` in hardened mode, where every round is de-mixed (on a bed with
+    half the clients a round it named a wrong pair in half the runs), ``read`` in paper mode,
+    where only rounds with dropouts are."""
     spill: bool = False
     """Keep each client's summed change on disk (float32, a temporary folder) rather than in
     memory (float64), and standardise each round a block of rows at a time from its changes,

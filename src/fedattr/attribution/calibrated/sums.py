@@ -66,6 +66,7 @@ class CalibratedNull:
         spill: str | Path | TemporaryFolder | None = None,
         block_cells: int = STANDARDISE_CELLS,
         across_rounds: str = "demix",
+        late_demix: str = "read",
         spread: float = 0.0,
         centre: str = "first",
         cell_weights: str = "first",
@@ -79,11 +80,16 @@ class CalibratedNull:
         ``None``: every sum in memory, in float64. ``undo``: where a round's cross-talk is
         undone (:func:`~.plan.plan_round`; ``updates``: the caller reads each client's own
         update, so :meth:`plan` says the changes are each client's own already). ``centre``,
-        ``cell_weights``: see :meth:`centres` and :meth:`round_weights`."""
+        ``cell_weights``: see :meth:`centres` and :meth:`round_weights`. ``late_demix``:
+        ``uncalibrated`` reports the de-mixed evidence uncalibrated once a stacked round's
+        reference may have learned a key (``attribution.calibrated.late_demix``)."""
         self.alpha, self.decorrelate, self.token_centring = alpha, decorrelate, token_centring
         self.undo = undo
         self.few_cells = few_cells
         self.across_rounds = across_rounds
+        self.late_demix = late_demix
+        # Whether a stacked (de-mixed) round's reference may have learned a key.
+        self.late_mixed = False
         self.spread = spread  # spread_weights' exponent (rounds read within the round)
         self.centre = centre  # first, none or every: see centres()
         self.cell_weights = cell_weights  # first or round: see round_weights()
@@ -137,6 +143,8 @@ class CalibratedNull:
             few_cells=c.few_cells,
             spill=TemporaryFolder() if c.spill else None,
             across_rounds=c.across_rounds,
+            late_demix=c.late_demix
+            or ("uncalibrated" if config.protocol.mode == "hardened" else "read"),
             spread=c.spread,
             centre=c.centre,
             cell_weights=c.cell_weights,
@@ -305,6 +313,7 @@ class CalibratedNull:
             # Kept raw (weighted) for de-mixing across rounds; the round's own (mixed) values
             # are for display only.
             self.read_with(scorer)
+            self.late_mixed |= not self._exchangeable(plan.round, scorer)
             mean = (plan.participants, center) if center is not None and mean_row else None
             self.mixed.add(plan.targets, plan.designs, held, laws, weights, mean)  # type: ignore[arg-type]
         for target, parts in zip(plan.targets, standard, strict=True):
@@ -487,6 +496,9 @@ class CalibratedNull:
             self.mixed, laws, self._reader, self.token_centring, centre=self.centre == "every"
         )
         self.cross_talk.update(unidentified)
+        if self.late_mixed and self.late_demix == "uncalibrated":
+            # Other clients' key-dependent round-to-round changes reach each de-mixed change.
+            self.cross_talk.update(self.demixed_W)
 
     def evidence(self) -> Evidence:
         """What the verdict reads: every client's ``W`` and owners' values, the sums over
@@ -622,6 +634,7 @@ class CalibratedNull:
             "rounds_read": self.rounds_read,
             "keys": self.keys,
             "mixed": self.mixed.state(),
+            "late_mixed": self.late_mixed,
             "first": {
                 "round": self.first_round,
                 "taper": self.first_taper,
@@ -643,6 +656,7 @@ class CalibratedNull:
         self.rounds_read = dict(state.get("rounds_read", {}))
         self.keys = dict(state.get("keys", {}))
         self.mixed = DeMixer.from_state(state.get("mixed"))
+        self.late_mixed = bool(state.get("late_mixed", False))
         first = state.get("first") or {}
         self.first_round = first.get("round")
         self.first_taper = first.get("taper")
