@@ -335,6 +335,9 @@ def test_a_free_rider_de_mixed_past_round_1_is_named_when_read_and_never_by_defa
         assert not any(c.calibrated for c in rep.clients if c.id in members)
     named, _ = _read_learned(0, late_demix="uncalibrated", name_uncalibrated=True)
     assert 0 in named.flagged  # reported all the same, and named where asked
+    from fedattr.reporting.markdown import attribution_table
+
+    assert "late_demix = uncalibrated" in attribution_table(rep)  # the report says why
 
 
 def test_a_checkpoint_keeps_that_a_late_round_was_de_mixed():

@@ -107,10 +107,13 @@ def attribution_table(report: AttributionReport) -> str:
         if report.cross_talk:
             rule += (
                 f". Not calibrated: clients {', '.join(map(str, report.cross_talk))}, whose "
-                "rounds kept cross-talk (hardened mode) and were not de-mixed across rounds "
-                "(attribution.calibrated.across_rounds = keep, or too few rounds to identify the "
-                "client): their estimates carry α-weighted copies of other clients' updates, "
-                "watermarked ones included; reported, never named unless "
+                "rounds kept cross-talk (hardened mode, a round with dropouts): their estimates "
+                "carry α-weighted copies of other clients' updates, watermarked ones included, "
+                "and de-mixing across rounds does not make them key-free (not de-mixed: "
+                "attribution.calibrated.across_rounds = keep, or too few rounds to identify the "
+                "client; or de-mixed over rounds whose reference may have learned a key, where "
+                "the other clients' changes vary with it: attribution.calibrated.late_demix = "
+                "uncalibrated, hardened mode's default); reported, never named unless "
                 "attribution.calibrated.name_uncalibrated = true"
             )
         if report.rounds_read:
