@@ -362,3 +362,31 @@ def test_late_demix_defaults_to_uncalibrated_in_hardened_mode_only():
     assert CalibratedNull.of(cfg).late_demix == "read"
     with pytest.raises(UserError, match="late_demix"):
         load(AttributionConfig, None, ["calibrated.late_demix=sometimes"])
+
+
+def test_a_round_whose_every_answering_client_is_a_target_de_mixes_to_each_ones_own_change():
+    """Paper mode's rounds with dropouts: every client that answered is a target with a design
+    over the clients that answered, so the round identifies each one's change and the de-mixed
+    mean is the mean of its own changes, however the others' vary from round to round (why
+    ``late_demix`` reads them as calibrated there)."""
+    rng = np.random.default_rng(21)
+    K, dim, T = 6, 8, 5
+    laws = {PART: Directions(dim)}
+    mixer, own_changes = DeMixer(), {j: [] for j in range(K)}
+    for _ in range(T):
+        answered = sorted(rng.choice(K, 4, replace=False).tolist())
+        X = torch.tensor(rng.normal(size=(K, dim))) * torch.tensor(rng.gamma(1.0, 3.0, size=(K, 1)))
+        rows = []
+        for t in answered:
+            others = [j for j in answered if j != t]
+            a = rng.normal(size=len(others)) * 0.5
+            rows.append(_Row(t, dict(zip(others, a - a.mean(), strict=True))))
+        changes = [{PART: sum(c * X[j] for j, c in r.coefficients().items()).float()} for r in rows]
+        mixer.add(answered, rows, changes, laws)
+        for j in answered:
+            own_changes[j].append(X[j])
+    own, ok = mixer.solve()
+    assert sorted(ok) == [j for j in range(K) if own_changes[j]]
+    for j in ok:
+        expected = torch.stack(own_changes[j]).mean(0)
+        assert own[PART][j].numpy() == pytest.approx(expected.numpy(), abs=1e-4)

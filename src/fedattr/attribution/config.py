@@ -163,8 +163,10 @@ class CalibratedConfig:
     argument bounds its level. ``uncalibrated``: reported, marked uncalibrated and named only
     under ``name_uncalibrated``. ``read``: read against the exact tail as calibrated. ``None``
     (default): ``uncalibrated`` in hardened mode, where every round is de-mixed (on a bed with
-    half the clients a round it named a wrong pair in half the runs), ``read`` in paper mode,
-    where only rounds with dropouts are."""
+    half the clients a round it named a wrong pair in half the runs); ``read`` in paper mode,
+    where only rounds with dropouts are, and each client that answered such a round is a target
+    with a design over the clients that answered: the round identifies its change exactly, so
+    its de-mixed mean is its own change, with none of the other clients' in it."""
     spill: bool = False
     """Keep each client's summed change on disk (float32, a temporary folder) rather than in
     memory (float64), and standardise each round a block of rows at a time from its changes,
