@@ -278,6 +278,21 @@ def test_a_signal_that_varies_across_rounds_can_break_the_demixed_level():
     assert max(excess) > 0.05
 
 
+def _rows_among(rng, members, targets, scale):
+    """Hardened-like rows over ``members`` only: each target with zero-sum alphas on the others."""
+    out = []
+    for t in targets:
+        others = [j for j in members if j != t]
+        a = rng.normal(size=len(others)) * scale
+        out.append(_Row(t, dict(zip(others, a - a.mean(), strict=True))))
+    return out
+
+
+def _changes(rows, X):
+    """Each row's estimate ``sum_j coefficient_j X_j``."""
+    return [{PART: sum(c * X[j] for j, c in r.coefficients().items()).float()} for r in rows]
+
+
 class _LearnedScorer(LinearScorer):
     """A linear owner whose key the reference may have learned from round 2 (as KGW's, FK's)."""
 
@@ -304,13 +319,8 @@ def _learned_federation(seed, K=8, T=8, n=4, dim=64):
         X[1] = 0.0
         learned = 3.0 * rng.random() if 0 in P else 0.3 * rng.random()
         targets = sorted(rng.choice(P, 2, replace=False).tolist())
-        rows = []
-        for tg in targets:
-            others = [j for j in P if j != tg]
-            a = rng.normal(size=len(others)) * 0.7
-            rows.append(_Row(tg, dict(zip(others, a - a.mean(), strict=True))))
-        changes = [{PART: sum(c * X[j] for j, c in r.coefficients().items()).float()} for r in rows]
-        rounds.append((P, targets, rows, changes, {PART: X[P].mean(0).float()}))
+        rows = _rows_among(rng, P, targets, 0.7)
+        rounds.append((P, targets, rows, _changes(rows, X), {PART: X[P].mean(0).float()}))
     return rounds, _LearnedScorer(key)
 
 
@@ -376,13 +386,8 @@ def test_a_round_whose_every_answering_client_is_a_target_de_mixes_to_each_ones_
     for _ in range(T):
         answered = sorted(rng.choice(K, 4, replace=False).tolist())
         X = torch.tensor(rng.normal(size=(K, dim))) * torch.tensor(rng.gamma(1.0, 3.0, size=(K, 1)))
-        rows = []
-        for t in answered:
-            others = [j for j in answered if j != t]
-            a = rng.normal(size=len(others)) * 0.5
-            rows.append(_Row(t, dict(zip(others, a - a.mean(), strict=True))))
-        changes = [{PART: sum(c * X[j] for j, c in r.coefficients().items()).float()} for r in rows]
-        mixer.add(answered, rows, changes, laws)
+        rows = _rows_among(rng, answered, answered, 0.5)
+        mixer.add(answered, rows, _changes(rows, X), laws)
         for j in answered:
             own_changes[j].append(X[j])
     own, ok = mixer.solve()
