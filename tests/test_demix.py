@@ -29,22 +29,27 @@ class _Row:
         return {**self.alpha, self.target: 1.0}
 
 
-def _rows(rng, K, targets, scale=0.5):
-    """Hardened-like rows: a few targets, each with zero-sum alphas over the others."""
+def _rows(rng, members, targets, scale=0.5):
+    """Hardened-like rows over ``members``: a few targets, each with zero-sum alphas over the
+    other members."""
     out = []
     for t in targets:
-        others = [j for j in range(K) if j != t]
+        others = [j for j in members if j != t]
         a = rng.normal(size=len(others)) * scale
         a -= a.mean()
         out.append(_Row(t, dict(zip(others, a, strict=True))))
     return out
 
 
+def _changes(rows, X):
+    """Each row's estimate ``sum_j coefficient_j X_j``."""
+    return [{PART: sum(c * X[j] for j, c in r.coefficients().items()).float()} for r in rows]
+
+
 def _round(rng, K, X, targets, scale=0.5):
     """One round's designs, the targets' changes ``A X`` and the SA mean's change."""
-    rows = _rows(rng, K, targets, scale)
-    changes = [{PART: sum(c * X[j] for j, c in r.coefficients().items()).float()} for r in rows]
-    return rows, changes, {PART: X.mean(0).float()}
+    rows = _rows(rng, range(K), targets, scale)
+    return rows, _changes(rows, X), {PART: X.mean(0).float()}
 
 
 def test_demixing_recovers_each_persistent_mean_and_cancels_a_persistent_signal():
@@ -91,12 +96,11 @@ def _federation(seed, K, T, dim, key, marked, signal, alpha, noise=1.0):
         for j in marked:
             X[j] = X[j] + signal * key
         targets = sorted(rng.choice(K, 2, replace=False).tolist())
-        rows = _rows(rng, K, targets)
+        rows = _rows(rng, range(K), targets)
         for r in rows:
             if r.target not in marked and marked:
                 r.alpha[marked[0]] = alpha
-        changes = [{PART: sum(c * X[j] for j, c in r.coefficients().items()).float()} for r in rows]
-        rounds.append((targets, rows, changes, {PART: X.mean(0).float()}))
+        rounds.append((targets, rows, _changes(rows, X), {PART: X.mean(0).float()}))
     return rounds
 
 
@@ -239,7 +243,7 @@ def _enumerated_p(marked: list[int], cv: float = 0.0) -> np.ndarray:
             for j in marked:
                 X[j] = X[j] + 3.0 * strength * scorer.G.reshape(-1).double()
             targets = sorted(rng.choice(K, 2, replace=False).tolist())
-            designs = _rows(rng, K, targets)
+            designs = _rows(rng, range(K), targets)
             changes = [
                 {PART: sum(c * X[j] for j, c in d.coefficients().items()).reshape(rows, V).float()}
                 for d in designs
@@ -278,21 +282,6 @@ def test_a_signal_that_varies_across_rounds_can_break_the_demixed_level():
     assert max(excess) > 0.05
 
 
-def _rows_among(rng, members, targets, scale):
-    """Hardened-like rows over ``members`` only: each target with zero-sum alphas on the others."""
-    out = []
-    for t in targets:
-        others = [j for j in members if j != t]
-        a = rng.normal(size=len(others)) * scale
-        out.append(_Row(t, dict(zip(others, a - a.mean(), strict=True))))
-    return out
-
-
-def _changes(rows, X):
-    """Each row's estimate ``sum_j coefficient_j X_j``."""
-    return [{PART: sum(c * X[j] for j, c in r.coefficients().items()).float()} for r in rows]
-
-
 class _LearnedScorer(LinearScorer):
     """A linear owner whose key the reference may have learned from round 2 (as KGW's, FK's)."""
 
@@ -319,17 +308,23 @@ def _learned_federation(seed, K=8, T=8, n=4, dim=64):
         X[1] = 0.0
         learned = 3.0 * rng.random() if 0 in P else 0.3 * rng.random()
         targets = sorted(rng.choice(P, 2, replace=False).tolist())
-        rows = _rows_among(rng, P, targets, 0.7)
+        rows = _rows(rng, P, targets, 0.7)
         rounds.append((P, targets, rows, _changes(rows, X), {PART: X[P].mean(0).float()}))
     return rounds, _LearnedScorer(key)
 
 
-def _read_learned(seed, **kw):
+def _learned_null(seed, **kw):
+    """:func:`_learned_federation` read: the sums, the scorer and every round's participants."""
     rounds, scorer = _learned_federation(seed)
     null = CalibratedNull(alpha=0.01, null_keys=0, decorrelate=False, **kw)
     for t, (P, targets, rows, changes, mean) in enumerate(rounds, 1):
         null.add_round(null.plan(t, P, targets, rows, scorer), changes, mean, scorer)
-    return null.report({j: j == 0 for j in range(8)}), sorted({j for r in rounds for j in r[0]})
+    return null, scorer, sorted({j for r in rounds for j in r[0]})
+
+
+def _read_learned(seed, **kw):
+    null, _, members = _learned_null(seed, **kw)
+    return null.report({j: j == 0 for j in range(8)}), members
 
 
 def test_a_free_rider_de_mixed_past_round_1_is_named_when_read_and_never_by_default():
@@ -351,10 +346,7 @@ def test_a_free_rider_de_mixed_past_round_1_is_named_when_read_and_never_by_defa
 
 
 def test_a_checkpoint_keeps_that_a_late_round_was_de_mixed():
-    rounds, scorer = _learned_federation(3)
-    null = CalibratedNull(alpha=0.01, null_keys=0, decorrelate=False, late_demix="uncalibrated")
-    for t, (P, targets, rows, changes, mean) in enumerate(rounds, 1):
-        null.add_round(null.plan(t, P, targets, rows, scorer), changes, mean, scorer)
+    null, scorer, _ = _learned_null(3, late_demix="uncalibrated")
     truth = {j: j == 0 for j in range(8)}
     resumed = CalibratedNull(alpha=0.01, null_keys=0, decorrelate=False, late_demix="uncalibrated")
     resumed.load(null.state())
@@ -386,7 +378,7 @@ def test_a_round_whose_every_answering_client_is_a_target_de_mixes_to_each_ones_
     for _ in range(T):
         answered = sorted(rng.choice(K, 4, replace=False).tolist())
         X = torch.tensor(rng.normal(size=(K, dim))) * torch.tensor(rng.gamma(1.0, 3.0, size=(K, 1)))
-        rows = _rows_among(rng, answered, answered, 0.5)
+        rows = _rows(rng, answered, answered)
         mixer.add(answered, rows, _changes(rows, X), laws)
         for j in answered:
             own_changes[j].append(X[j])
