@@ -44,8 +44,8 @@ _HALF = ["fl.participation=0.5", "attribution.protocol.N=3", "secagg.min_members
 """Half the clients a round (5 of 10): N = 3 is the largest design a 5-client round admits."""
 
 STRESS_BEDS: dict[str, list[str]] = {
-    # Partial participation with strong quantity skew: shards of a handful of records to about
-    # a thousand (Dirichlet 0.5 over the sizes), five clients a round, ten rounds.
+    # Partial participation with strong quantity skew: shards of none or a handful of records to
+    # about 1,500 (Dirichlet 0.5 over the sizes), five clients a round, ten rounds.
     "partial-skew": [*_HALF, "data.partition=quantity"],
     # Two clean clients that send nothing or a tenth of their update, in rounds with and
     # without a watermarked client (half the clients a round).
