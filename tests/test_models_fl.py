@@ -80,6 +80,27 @@ def test_bad_model_path_is_one_clear_error(tmp_path):
         ModelConfig(preset="gpt5")
 
 
+@pytest.mark.parametrize("raised", [TypeError, AttributeError])
+def test_a_bug_while_loading_keeps_its_traceback(tmp_path, monkeypatch, raised):
+    """A library's failure on the user's files is one line; a bug (ours or the library's) is
+    not turned into one: it keeps its class and traceback."""
+    import transformers
+
+    def broken(*args, **kwargs):
+        raise raised("a bug")
+
+    def unreadable(*args, **kwargs):
+        raise OSError("no config.json here\nmore detail")
+
+    cfg = ModelConfig(preset="hf", name_or_path=str(tmp_path))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", unreadable)
+    with pytest.raises(ModelLoadError, match=r"could not load .*: no config\.json here$"):
+        load_model(cfg)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", broken)
+    with pytest.raises(raised, match="a bug"):
+        load_model(cfg)
+
+
 def _fake_training(model, seed):
     """Perturb every LoRA factor as local training would."""
     gen = torch.Generator().manual_seed(seed)

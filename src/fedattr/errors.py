@@ -15,6 +15,12 @@ class UserError(ValueError):
     """Bad input: the message names the parameter and the allowed values."""
 
 
+#: Errors that are a bug wherever they are raised. A handler that turns a library's failure on
+#: the user's input into one line (``except Exception``) re-raises these first, so that a bug
+#: in our call or in the library keeps its traceback.
+BUGS: tuple[type[Exception], ...] = (TypeError, AttributeError, NameError, AssertionError)
+
+
 def require_file(
     path: str | Path,
     option: str,

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import UserError, not_writable, require_writable_folder
+from ..errors import BUGS, UserError, not_writable, require_writable_folder
 from .common import say
 
 if TYPE_CHECKING:
@@ -196,6 +196,8 @@ def _cmd_owner_detect(args: argparse.Namespace) -> int:
 
         try:
             model = PeftModel.from_pretrained(model, args.lora)
+        except BUGS:
+            raise
         except Exception as exc:  # a missing or foreign adapter folder: one line
             raise UserError(
                 f"--lora: could not load an adapter from {args.lora!r}: "

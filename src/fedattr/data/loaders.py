@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError, read_text
+from ..errors import BUGS, UserError, read_text
 from .records import Record
 
 
@@ -139,6 +139,8 @@ def _rows_from_hub(
         ) from exc
     try:
         ds = datasets.load_dataset(name, split=split)
+    except BUGS:
+        raise
     except Exception as exc:  # network, auth, missing split: all one clear message
         raise DataError(
             f"{option}: could not load Hugging Face dataset {name!r} (split {split!r}): "

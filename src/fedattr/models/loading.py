@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from ..errors import UserError
+from ..errors import BUGS, UserError
 from .config import ModelConfig
 from .filelock import file_lock
 from .tiny import default_cache_dir, ensure_tiny
@@ -283,6 +283,8 @@ def dequantised_gguf(
                 shutil.rmtree(entry, ignore_errors=True)
                 tmp.chmod(0o755)  # mkdtemp's 0o700 would hide it from other users
                 tmp.rename(entry)
+        except BUGS:
+            raise
         except Exception as exc:  # a full disk, a file transformers cannot read: as it is
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             say(f"model: could not cache {path.name} dequantised ({first}); reading the file")
@@ -319,6 +321,8 @@ def load_tokenizer(cfg: ModelConfig, progress: Callable[[str], None] | None = No
     try:
         with _gguf_bar_off_unless_terminal("gguf_file" in kwargs):
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    except BUGS:
+        raise
     except Exception as exc:  # as load_model: one clear line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"model: could not load the tokenizer of {source!r}: {first}") from exc
@@ -388,6 +392,8 @@ def load_model(cfg: ModelConfig, progress: Callable[[str], None] | None = None):
         with _gguf_bar_off_unless_terminal("gguf_file" in kwargs):
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except BUGS:
+        raise  # a bug, ours or the library's: its traceback
     except Exception as exc:  # OSError, ValueError, ImportError...: one clear line for the user
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"model: could not load {source!r}: {first}") from exc
