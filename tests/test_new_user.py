@@ -222,6 +222,8 @@ def test_the_gguf_dequantising_bar_is_off_when_stderr_is_not_a_terminal(
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    # No cache can be written: the file is read as it is (the dequantising copy has its tests).
+    monkeypatch.setattr(loading, "gguf_cache_roots", lambda _path: [])
     (tmp_path / "model.gguf").write_bytes(b"")
     cfg = ModelConfig(preset="hf", name_or_path=str(tmp_path / "model.gguf"), device="cpu")
     capsys.readouterr()

@@ -234,6 +234,16 @@ def test_tail_check_command_reads_saved_changes_and_checks_every_level(tmp_path,
     )
     # One progress line per change, on standard error (a vocabulary-sized one takes minutes).
     assert captured.err.count("tail-check: run client") == 3 and "3/3 after" in captured.err
+    # --pair: only the named change; one that is not saved is one line, before any work.
+    args = ["experiment", "tail-check", str(run), "--draws", "2000", "--out", str(out)]
+    assert main([*args, "--pair", "1:probes"]) == 0
+    assert {r["client"] for r in json.loads((out / "tail-check.json").read_text())} == {1}
+    assert "1/1 after" in capsys.readouterr().err
+    bad_pairs = (("7:probes", "7:probes is not a saved change"), ("x:probes", "got 'x:probes'"))
+    for bad, said in bad_pairs:
+        assert main([*args, "--pair", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("fedattr: error: --pair: ") and said in err and err.count("\n") == 1
     if not torch.cuda.is_available():
         code = main(["experiment", "tail-check", str(run), "--device", "cuda", "--out", str(out)])
         assert code == 2

@@ -80,9 +80,22 @@ def _cmd_experiment_tail_check(args: argparse.Namespace) -> int:
         from ..runtime import require_cuda
 
         require_cuda("--device")
-    write_tail_check(tail_check(args.run_dirs, args.draws, device=device, progress=say), out)
+    pairs = [_pair(p) for p in args.pair]
+    rows = tail_check(args.run_dirs, args.draws, device=device, progress=say, pairs=pairs)
+    write_tail_check(rows, out)
     print((out / "tail-check.md").read_text())
     return 0
+
+
+def _pair(text: str) -> tuple[int, str]:
+    """``46:kgw:owner0`` -> ``(46, "kgw:owner0")``."""
+    client, _, statistic = text.partition(":")
+    if not client.strip().isdigit() or not statistic:
+        raise UserError(
+            f"--pair: CLIENT:STATISTIC, a client id and a statistic as results.json names them "
+            f"(e.g. 46:kgw:owner0); got {text!r}"
+        )
+    return int(client), statistic
 
 
 def _cmd_experiment_sweep(args: argparse.Namespace) -> int:
@@ -191,6 +204,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     tc.add_argument("--draws", type=int, default=4000, help="random keys per point (4000)")
     tc.add_argument("--out", default="runs/tail-check", help="where tail-check.md/json go")
+    tc.add_argument(
+        "--pair",
+        action="append",
+        default=[],
+        metavar="CLIENT:STATISTIC",
+        help="only this client's change under this statistic (e.g. 46:kgw:owner0, a named "
+        "pair); default: every saved change",
+    )
     tc.add_argument(
         "--device",
         default="cpu",

@@ -588,13 +588,16 @@ def tail_check(
     levels: Sequence[float] = TAIL_LEVELS,
     device: str | None = None,
     progress: Callable[[str], None] | None = None,
+    pairs: Sequence[tuple[int, str]] = (),
 ) -> list[dict]:
     """For every green-list change matrix saved by the runs (``changes.safetensors``) and every
     level ``p``: the value ``t`` the saddlepoint puts at ``p``, tilted Monte Carlo's estimate
     of ``P(<W, G> >= t)`` over random keys (``draws`` of them, each cell green with
     probability gamma), and the Chernoff bound at ``t``. ``device``: where torch draws the
     keys (``cuda`` for vocabulary-sized changes); ``None``: numpy on the CPU. ``progress``
-    hears one line per change checked (a vocabulary-sized one takes minutes on a CPU)."""
+    hears one line per change checked (a vocabulary-sized one takes minutes on a CPU).
+    ``pairs``: only these (client, statistic) changes, e.g. ``(46, "kgw:owner0")`` for a named
+    pair (a run of fifty clients and five owners saves 250); each must be in some run."""
     import itertools
     import json
 
@@ -619,8 +622,17 @@ def tail_check(
         for name, W in sorted(load_file(str(file)).items()):
             client, part = name.split("/", 1)
             law = law_from_dict(laws[part])
+            if pairs and (int(client), part) not in pairs:
+                continue
             if isinstance(law, RowSubsets) and law.m > 1:  # exact tails (FK, directions): none
                 jobs.append((run.name, int(client), part, law, W))
+    missing = [f"{c}:{s}" for c, s in pairs if not any(j[1:3] == (c, s) for j in jobs)]
+    if missing:
+        raise UserError(
+            f"--pair: {', '.join(missing)} is not a saved change with a green-list tail in "
+            f"{', '.join(Path(r).name for r in run_dirs)}; give CLIENT:STATISTIC as results.json "
+            "names it (e.g. 46:kgw:owner0)"
+        )
 
     start, finished = time.perf_counter(), itertools.count(1)
 
