@@ -255,3 +255,22 @@ def test_sa_scales_give_a_client_without_data_weight_zero():
     assert sa_scales([0, 0]) == [0.0, 0.0]
     with pytest.raises(ValueError, match="sa_scales: data sizes must be >= 0"):
         sa_scales([2, -1])
+
+
+@pytest.mark.parametrize(
+    ("message", "line", "with_class"),
+    [
+        ("no config.json here\nmore detail", "no config.json here", "OSError: no config.json here"),
+        ("\n  \nsecond line first\n", "second line first", "OSError: second line first"),
+        ("", "OSError", "OSError"),
+        ("   ", "OSError", "OSError"),
+    ],
+)
+def test_first_line_of_an_error_never_raises(message, line, with_class):
+    """The one-line message of a library's failure: its first non-blank line, or the class
+    name when the message is blank (``"   ".strip().splitlines()[0]`` would raise IndexError
+    inside the handler and replace the one line by a traceback)."""
+    from fedattr.errors import first_line
+
+    assert first_line(OSError(message)) == line
+    assert first_line(OSError(message), with_class=True) == with_class

@@ -260,6 +260,26 @@ def test_detect_command_on_a_lora_adapter(micro, tmp_path, capsys):
     assert "--lora: could not load an adapter" in capsys.readouterr().err
 
 
+def test_an_adapter_error_with_a_blank_message_is_still_one_line(
+    micro, tmp_path, capsys, monkeypatch
+):
+    """peft's failure on an adapter folder is one line even when its message is blank (the
+    handler once indexed the message's first line and raised IndexError itself)."""
+    import peft
+
+    def blank(*args, **kwargs):
+        raise OSError("  ")
+
+    monkeypatch.setattr(peft.PeftModel, "from_pretrained", blank)
+    path, _, _ = micro
+    key_file = save_key(generate_key(), tmp_path / "owner.key")
+    (tmp_path / "adapter").mkdir()
+    detect = ["owner", "detect", "--key", str(key_file), "--model", str(path)]
+    assert main([*detect, "--lora", str(tmp_path / "adapter")]) == 2
+    err = capsys.readouterr().err
+    assert "--lora: could not load an adapter from" in err and err.rstrip().endswith(": OSError")
+
+
 def test_a_lora_model_read_against_its_own_base_equals_an_explicit_reference(micro):
     """``owner detect --lora`` reads the reference as the candidate with its adapter disabled;
     that must equal reading the base model itself (a fold that ignored the disabled adapter

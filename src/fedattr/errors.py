@@ -21,6 +21,17 @@ class UserError(ValueError):
 BUGS: tuple[type[Exception], ...] = (TypeError, AttributeError, NameError, AssertionError)
 
 
+def first_line(exc: BaseException, with_class: bool = False) -> str:
+    """The first non-blank line of ``exc``'s message, for a one-line error (``with_class``:
+    after its class name, ``OSError: ...``); the class name alone when the message is blank,
+    which must not raise inside the handler that reports it."""
+    name = type(exc).__name__
+    for line in str(exc).splitlines():
+        if line.strip():
+            return f"{name}: {line.strip()}" if with_class else line.strip()
+    return name
+
+
 def require_file(
     path: str | Path,
     option: str,

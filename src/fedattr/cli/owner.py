@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import BUGS, UserError, not_writable, require_writable_folder
+from ..errors import BUGS, UserError, first_line, not_writable, require_writable_folder
 from .common import say
 
 if TYPE_CHECKING:
@@ -200,8 +200,7 @@ def _cmd_owner_detect(args: argparse.Namespace) -> int:
             raise
         except Exception as exc:  # a missing or foreign adapter folder: one line
             raise UserError(
-                f"--lora: could not load an adapter from {args.lora!r}: "
-                f"{str(exc).strip().splitlines()[0]}"
+                f"--lora: could not load an adapter from {args.lora!r}: {first_line(exc)}"
             ) from exc
         model.eval()
     elif reference_config is not None:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import BUGS, UserError, read_text
+from ..errors import BUGS, UserError, first_line, read_text
 from .records import Record
 
 
@@ -144,7 +144,7 @@ def _rows_from_hub(
     except Exception as exc:  # network, auth, missing split: all one clear message
         raise DataError(
             f"{option}: could not load Hugging Face dataset {name!r} (split {split!r}): "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
+            f"{first_line(exc, with_class=True)}. "
             "Offline? Pass a local .json/.jsonl file instead."
         ) from exc
     for i, row in enumerate(ds):

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from ..errors import BUGS, UserError
+from ..errors import BUGS, UserError, first_line
 from .config import ModelConfig
 from .filelock import file_lock
 from .tiny import default_cache_dir, ensure_tiny
@@ -286,8 +286,8 @@ def dequantised_gguf(
         except BUGS:
             raise
         except Exception as exc:  # a full disk, a file transformers cannot read: as it is
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            say(f"model: could not cache {path.name} dequantised ({first}); reading the file")
+            why = first_line(exc)
+            say(f"model: could not cache {path.name} dequantised ({why}); reading the file")
             return None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -324,8 +324,9 @@ def load_tokenizer(cfg: ModelConfig, progress: Callable[[str], None] | None = No
     except BUGS:
         raise
     except Exception as exc:  # as load_model: one clear line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"model: could not load the tokenizer of {source!r}: {first}") from exc
+        raise ModelLoadError(
+            f"model: could not load the tokenizer of {source!r}: {first_line(exc)}"
+        ) from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -395,8 +396,7 @@ def load_model(cfg: ModelConfig, progress: Callable[[str], None] | None = None):
     except BUGS:
         raise  # a bug, ours or the library's: its traceback
     except Exception as exc:  # OSError, ValueError, ImportError...: one clear line for the user
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"model: could not load {source!r}: {first}") from exc
+        raise ModelLoadError(f"model: could not load {source!r}: {first_line(exc)}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device)
